@@ -1,0 +1,33 @@
+"""`shoal serve | bench | operator`: one entry point, each subcommand in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shoal", description="Serve LLMs on Kubernetes")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from shoal.runtime.entrypoints import serve_args
+
+    serve_args.add_arguments(serve)
+
+    bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks")
+    from shoal.runtime import bench_args
+
+    bench_args.add_arguments(bench)
+
+    op = sub.add_parser("operator", help="the Kubernetes operator")
+    from shoal.operator import cli as operator_cli
+
+    operator_cli.add_arguments(op)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

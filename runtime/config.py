@@ -1,0 +1,89 @@
+"""Engine options: one dataclass, shared by the CLI (`--max-num-seqs`) and `LLM(max_num_seqs=...)`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16
+    # Bytes of KV cache, or a fraction (0, 1] of free device memory (GPU only).
+    # None: enough for max_num_seqs sequences of max_model_len, capped at 4 GiB on CPU.
+    kv_cache_memory: float | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    attention_backend: str = "auto"  # auto | torch | triton
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be one of float32, float16, bfloat16, auto; got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model.rstrip("/").split("/")[-1]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in known and v is not None})
+
+
+def parse_memory(text: str) -> float:
+    """'2GiB', '512MiB', '1e9' or a fraction like '0.9' -> bytes or fraction."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+    low = text.strip().lower()
+    for unit, scale in units.items():
+        if low.endswith(unit):
+            return float(low[: -len(unit)]) * scale
+    return float(low)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The vLLM-style flags of DESIGN.md; defaults live in EngineConfig."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="HF directory, .gguf file or builtin://NAME")
+    g.add_argument("--served-model-name")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--kv-cache-memory", type=parse_memory, help="bytes (e.g. 2GiB) or a fraction of free GPU memory")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", help="cpu or cuda")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
