@@ -1,0 +1,100 @@
+"""Plain-torch references of every kernel: readable, batched, and what CPU inference runs.
+
+Shapes (T new tokens in a step, B sequences, h query heads, kvh KV heads, d head size):
+  k_cache, v_cache   [num_blocks, block_size, kvh, d]   one pair per layer
+  block_tables       [B, max_blocks] int64, padded with any valid block id (masked by lengths)
+  context_lens       [B] int64: tokens in the cache for each sequence, new ones included
+  slot_mapping       [T] int64: block_id * block_size + offset of each new token
+The Triton kernels in this package take the same arguments and return the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Store new keys/values [T, kvh, d] into their cache slots, in place."""
+    kvh, d = key.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+
+
+def _gather(cache, block_tables):
+    """[num_blocks, bs, kvh, d] by [B, nb] -> [B, kvh, nb*bs, d] (the layout matmul wants)."""
+    B, nb = block_tables.shape
+    _, bs, kvh, d = cache.shape
+    return cache[block_tables].view(B, nb * bs, kvh, d).transpose(1, 2)
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+    """One query token per sequence: q [B, h, d] -> [B, h, d]."""
+    B, h, d = q.shape
+    kvh = k_cache.shape[2]
+    k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
+    v = _gather(v_cache, block_tables)
+    L = k.shape[2]
+    qg = q.view(B, kvh, h // kvh, d)  # grouped-query: g query heads share one KV head
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, kvh, g, L]
+    pad = torch.arange(L, device=q.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v).view(B, h, d)
+
+
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+    """A ragged batch of new tokens, causal over each sequence's cached prefix + new tokens.
+
+    q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
+    they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
+    """
+    Tq, h, d = q.shape
+    dev = q.device
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    max_q = int(q_lens.max())
+    steps = torch.arange(max_q, device=dev)
+    rows = (query_start_loc[:-1, None] + steps).clamp_(max=Tq - 1)  # [B, max_q]
+    valid = steps[None, :] < q_lens[:, None]
+    k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
+    v = _gather(v_cache, block_tables)
+    L = k.shape[2]
+    pos = (context_lens - q_lens)[:, None] + steps  # absolute position of each query
+    visible = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]  # [B, max_q, L]
+    out = F.scaled_dot_product_attention(
+        q[rows].transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True
+    )  # [B, h, max_q, d]
+    return out.transpose(1, 2)[valid]
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """RMSNorm; with `residual`, first adds it (fused residual add) and returns (out, x + residual)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return out if residual is None else (out, residual)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, is_neox: bool = True):
+    """Rotate q [T, h, d] and k [T, kvh, d] by their positions; returns new (q, k).
+
+    cos_sin_cache [max_pos, d] holds cos in its first half and sin in its second (scaling,
+    e.g. llama3 or YaRN, is already folded into the cache). neox rotates the two halves of
+    each head; GPT-J rotates interleaved pairs.
+    """
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, d/2] each
+
+    def rotate(x):
+        if is_neox:
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x):
+    """SwiGLU activation of a fused gate/up projection: x [T, 2I] -> silu(gate) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,105 @@
+"""The paged KV cache's bookkeeping: blocks, reference counts, prefix hashes, LRU eviction.
+
+A block holds `block_size` tokens' keys and values in every layer. A full block can be
+shared: its hash covers its tokens and, through the parent hash, every token before it,
+so two sequences with the same prefix map to the same blocks. Blocks nobody references
+stay cached (and findable) on the free list until they are the least recently freed and
+an allocation needs them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+def hash_block(parent: int | None, tokens) -> int:
+    # Python's tuple-of-int hash is deterministic across processes (no hash randomization).
+    return hash((parent, tuple(tokens)))
+
+
+def block_hashes(token_ids, block_size: int, known: list[int] | None = None) -> list[int]:
+    """Chained hashes of every full block of token_ids, extending `known` (a prefix of them)."""
+    hashes = list(known or [])
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+    return hashes
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache has room for no block: raise --kv-cache-memory")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
+        self.cached: dict[int, int] = {}  # hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"asked for {n} KV blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self.free.popitem(last=False)  # least recently freed
+            self._forget(block)
+            self.ref_count[block] = 1
+            out.append(block)
+        return out
+
+    def release(self, blocks) -> None:
+        # Tail blocks first, so a sequence's end is evicted before its (more shareable) start.
+        for block in reversed(blocks):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0, f"block {block} released twice"
+            if self.ref_count[block] == 0:
+                self.free[block] = None
+
+    def share(self, blocks) -> None:
+        """Another owner for blocks already in use (n > 1 siblings)."""
+        for block in blocks:
+            self.ref_count[block] += 1
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The longest run of cached blocks for a hash chain, each taken (ref +1)."""
+        if not self.enable_prefix_caching:
+            return []
+        found = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            found.append(block)
+        for block in found:
+            if self.ref_count[block] == 0:
+                del self.free[block]
+            self.ref_count[block] += 1
+        return found
+
+    def register(self, block: int, h: int) -> None:
+        """A block just became full: make it findable by its hash (first writer wins)."""
+        if self.enable_prefix_caching and self.block_hash[block] is None and h not in self.cached:
+            self.block_hash[block] = h
+            self.cached[h] = block
+
+    def _forget(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.free):
+            self._forget(block)

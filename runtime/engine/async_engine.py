@@ -1,0 +1,379 @@
+"""AsyncEngine: the engine's step loop in a dedicated thread beside the asyncio event loop.
+
+    asyncio side (HTTP handlers)                 engine thread (owns LLMEngine)
+    ----------------------------                 ------------------------------
+    submit()/abort() -> inbox (deque) --wake-->  apply inbox between steps
+    per-request asyncio.Queue  <--call_soon_threadsafe(one batch per step)--  step() -> deltas
+
+LLMEngine is not thread-safe, so every call to it happens on the engine thread, including its
+construction (the slow part of startup). Between steps the thread applies queued submissions
+and aborts in arrival order, so a request joins or leaves the batch at the next step. After
+each step it turns the engine's cumulative outputs into per-sequence *deltas* (new text, new
+token ids, new logprobs) — so the event loop never reads objects the engine may still mutate,
+and a slow consumer just finds several deltas queued — and hands the whole step's news to
+the event loop in one `call_soon_threadsafe`, which is one wake-up per step, not per token.
+
+Thread, not process: torch releases the GIL inside its kernels, so the event loop runs while
+the engine computes; the cost is the Python glue of a step competing for the GIL. Measured
+on the project's 2-core machine (see the report in `bench_serve.py`'s docstring): a thread
+keeps /health under a few ms at p99 while the engine decodes a full batch, and a process
+would add pickling of every step's outputs and a second copy of the tokenizer state for no
+gain in latency on 2 cores. The boundary is this class's API, so a process can replace the
+thread without touching the server.
+
+Backpressure: at most `max_waiting` requests wait (engine queue plus submitted-not-yet-
+applied); `admit()` refuses beyond that and the server answers 503 + Retry-After.
+Watchdog: `health()` is false when there is work pending but the loop has made no progress
+for `stall_timeout` seconds (a hung step, a dead collective), or when the loop died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+logger = logging.getLogger("shoal.async_engine")
+
+
+class EngineNotReady(RuntimeError):
+    pass
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+@dataclass
+class Delta:
+    """What one step added to one sequence (index) of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Output:
+    """One step's news for one engine request, as delivered to the request's queue."""
+
+    request_id: str
+    tag: Any
+    deltas: list[Delta]
+    finished: bool
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class Rejected:
+    """add_request raised ValueError: nothing was added."""
+
+    request_id: str
+    tag: Any
+    message: str
+
+
+@dataclass
+class Failed:
+    """The engine loop died; the request will get no more output."""
+
+    request_id: str
+    tag: Any
+    message: str
+
+
+@dataclass
+class _Track:  # engine-thread bookkeeping for one request
+    queue: asyncio.Queue
+    tag: Any
+    arrival: float
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    sent_text: dict[int, int] = field(default_factory=dict)
+    n: int = 1
+    last_token_time: float | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config,
+        *,
+        max_waiting: int = 512,
+        stall_timeout: float = 60.0,
+        metrics=None,
+        engine_factory: Callable[[Any], Any] | None = None,
+    ):
+        self.config = config
+        self.max_waiting = max_waiting
+        self.stall_timeout = stall_timeout
+        self.metrics = metrics
+        self._factory = engine_factory
+        self.engine = None
+        self.tokenizer = None  # a private copy for the event loop (chat templates, logprob strings)
+        self.max_model_len: int | None = None
+        self.load_times: dict[str, float] = {}
+        self.state = "created"  # created | loading | ready | failed | stopped
+        self.error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._tracks: dict[str, _Track] = {}  # engine thread only
+        self._live: dict[str, asyncio.Queue] = {}  # event loop only: submitted, not finished
+        self._submitted = 0  # written by the event loop only
+        self._applied = 0  # written by the engine thread only
+        self._stats = None
+        self._in_step = False
+        self._last_progress = time.monotonic()
+        self._loaded_callbacks: list[Callable[[], None]] = []
+        self.steps = 0
+
+    # ---------------------------------------------------------------- event-loop side
+    def start(self, loop: asyncio.AbstractEventLoop | None = None, on_loaded: Callable[[], None] | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        if on_loaded:
+            self._loaded_callbacks.append(on_loaded)
+        self.state = "loading"
+        self._thread = threading.Thread(target=self._run, name="shoal-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: the engine's queue plus submissions not yet applied."""
+        pending = self._submitted - self._applied
+        return pending + (self._stats.num_waiting if self._stats is not None else 0)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def admit(self, count: int = 1) -> None:
+        """Raise QueueFull / EngineNotReady / EngineDead if `count` more requests cannot wait."""
+        if self.state == "failed" or (self.state == "ready" and not self._thread.is_alive()):
+            raise EngineDead(self.error or "the engine loop is not running")
+        if self.state != "ready":
+            raise EngineNotReady("the model is still loading")
+        if self.num_waiting + count > self.max_waiting:
+            raise QueueFull(f"the server's waiting queue is full ({self.max_waiting} requests); retry later")
+
+    def submit(self, request_id: str, prompt, params, queue: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
+        """Queue a request for the engine. Its Output/Rejected/Failed items arrive on `queue`."""
+        if request_id in self._live:
+            raise ValueError(f"duplicate request id {request_id}")
+        self._live[request_id] = queue
+        self._submitted += 1
+        self._inbox.append(("add", request_id, prompt, params, queue, tag, arrival_time or time.time()))
+        self._wake.set()
+
+    def abort(self, request_id: str, notify: bool = False) -> None:
+        """Abort at the next step and free its KV blocks. With notify, the request's queue
+        gets a final Output with finish_reason 'abort' (used when draining times out)."""
+        if request_id not in self._live:
+            return
+        if not notify:
+            del self._live[request_id]
+        self._inbox.append(("abort", request_id, notify))
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        for rid in list(self._live):
+            self.abort(rid, notify=True)
+
+    def health(self) -> tuple[bool, str]:
+        if self.state == "failed":
+            return False, f"engine failed: {self.error}"
+        if self.state in ("created", "loading"):
+            return True, "loading"
+        if self.state == "stopped":
+            return True, "stopped"
+        if not self._thread.is_alive():
+            return False, "the engine loop is not running"
+        busy = self._in_step or (self._submitted - self._applied) > 0
+        idle_for = time.monotonic() - self._last_progress
+        if busy and idle_for > self.stall_timeout:
+            return False, f"engine stalled: work pending but no step finished for {idle_for:.1f}s (stall timeout {self.stall_timeout:g}s)"
+        return True, "ok"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self.state == "ready":
+            self.state = "stopped"
+
+    def _dispatch(self, items: list) -> None:  # runs on the event loop
+        for queue, item in items:
+            if isinstance(item, Output):
+                if item.finished:
+                    self._live.pop(item.request_id, None)
+            else:
+                self._live.pop(item.request_id, None)
+            queue.put_nowait(item)
+
+    def _call_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    # ---------------------------------------------------------------- engine thread
+    def _make_engine(self):
+        if self._factory is not None:
+            return self._factory(self.config)
+        from shoal.runtime.engine.engine import LLMEngine
+
+        return LLMEngine(self.config)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = self._make_engine()
+            self.engine = engine
+            self.max_model_len = engine.max_model_len
+            self.load_times = dict(getattr(engine, "load_times", {}) or {})
+            self.load_times["total"] = time.perf_counter() - t0
+            self.tokenizer = copy.deepcopy(engine.tokenizer)
+            self._stats = engine.stats()
+        except BaseException as e:  # noqa: BLE001 - reported, then the server exits
+            self.error = f"{type(e).__name__}: {e}"
+            logger.error("engine failed to start: %s\n%s", self.error, traceback.format_exc())
+            self.state = "failed"
+            self._call_loop(self._run_loaded_callbacks)
+            return
+        self._last_progress = time.monotonic()
+        self.state = "ready"
+        self._call_loop(self._run_loaded_callbacks)
+        try:
+            self._loop_forever(engine)
+        except BaseException as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
+            logger.error("engine loop died: %s\n%s", self.error, traceback.format_exc())
+            self.state = "failed"
+            posts = [(tr.queue, Failed(rid, tr.tag, f"the engine failed: {self.error}")) for rid, tr in self._tracks.items()]
+            while self._inbox:
+                msg = self._inbox.popleft()
+                if msg[0] == "add":
+                    self._applied += 1
+                    posts.append((msg[4], Failed(msg[1], msg[5], f"the engine failed: {self.error}")))
+            self._tracks.clear()
+            if posts:
+                self._call_loop(self._dispatch, posts)
+
+    def _run_loaded_callbacks(self) -> None:
+        for cb in self._loaded_callbacks:
+            cb()
+
+    def _loop_forever(self, engine) -> None:
+        while not self._stop:
+            self._last_progress = time.monotonic()
+            posts: list = []
+            self._apply_inbox(engine, posts)
+            if engine.has_unfinished_requests():
+                self._in_step = True
+                outputs = engine.step()
+                self._in_step = False
+                self.steps += 1
+                self._last_progress = time.monotonic()
+                self._handle_outputs(outputs, posts)
+                self._publish_stats(engine)
+                if posts:
+                    self._call_loop(self._dispatch, posts)
+            else:
+                self._publish_stats(engine)
+                if posts:
+                    self._call_loop(self._dispatch, posts)
+                if not self._inbox:
+                    self._wake.wait(0.5)
+                self._wake.clear()
+
+    def _publish_stats(self, engine) -> None:
+        self._stats = engine.stats()
+        if self.metrics is not None:
+            self.metrics.update_from_stats(self._stats, extra_waiting=self._submitted - self._applied)
+
+    def _apply_inbox(self, engine, posts: list) -> None:
+        while self._inbox:
+            msg = self._inbox.popleft()
+            if msg[0] == "add":
+                _, rid, prompt, params, queue, tag, arrival = msg
+                try:
+                    engine.add_request(rid, prompt, params, arrival_time=arrival)
+                except (ValueError, TypeError, OverflowError) as e:
+                    posts.append((queue, Rejected(rid, tag, str(e) or type(e).__name__)))
+                else:
+                    self._tracks[rid] = _Track(queue=queue, tag=tag, arrival=arrival, n=getattr(params, "n", 1) or 1)
+                finally:
+                    self._applied += 1
+            else:
+                _, rid, notify = msg
+                engine.abort_request(rid)
+                tr = self._tracks.pop(rid, None)
+                if tr is not None:
+                    if self.metrics is not None:
+                        self.metrics.request_finished("abort")
+                    if notify:
+                        deltas = [Delta(i, "", [], None, "abort") for i in range(tr.n)]
+                        posts.append((tr.queue, Output(rid, tr.tag, deltas, True)))
+
+    def _handle_outputs(self, outputs, posts: list) -> None:
+        now = time.time()
+        m = self.metrics
+        for out in outputs:
+            tr = self._tracks.get(out.request_id)
+            if tr is None:  # aborted meanwhile
+                continue
+            deltas = []
+            new_tokens = False
+            for co in out.outputs:
+                i = co.index
+                sent = tr.sent_tokens.get(i, 0)
+                ids = co.token_ids
+                n_now = len(ids)
+                text = co.text or ""
+                tpos = tr.sent_text.get(i, 0)
+                if n_now == sent and len(text) == tpos and co.finish_reason is None:
+                    continue
+                new_ids = list(ids[sent:n_now])
+                lps = co.logprobs
+                new_lps = list(lps[sent:n_now]) if lps is not None else None
+                tr.sent_tokens[i] = n_now
+                tr.sent_text[i] = len(text)
+                if new_ids:
+                    new_tokens = True
+                deltas.append(Delta(i, text[tpos:], new_ids, new_lps, co.finish_reason, co.stop_reason))
+            if m is not None and new_tokens:
+                if tr.last_token_time is None:
+                    m.ttft.observe(max(0.0, now - tr.arrival))
+                    sched = getattr(getattr(out, "metrics", None), "first_scheduled_time", None)
+                    m.queue_time.observe(max(0.0, (sched or now) - tr.arrival))
+                else:
+                    m.itl.observe(max(0.0, now - tr.last_token_time))
+            if new_tokens:
+                tr.last_token_time = now
+            if out.finished:
+                del self._tracks[out.request_id]
+                if m is not None:
+                    m.e2e.observe(max(0.0, now - tr.arrival))
+                    reason = out.outputs[0].finish_reason if out.outputs else None
+                    m.request_finished(reason)
+            if deltas or out.finished:
+                posts.append((tr.queue, Output(out.request_id, tr.tag, deltas, out.finished, len(out.prompt_token_ids or ()))))

@@ -1,0 +1,147 @@
+"""A request and its sequences (n > 1 gives n sequences), and what the engine returns."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.runtime.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+class Sequence:
+    """One stream of tokens: the prompt, then what was sampled. `num_computed` catches up
+    with len(token_ids) one step at a time (prefill, chunked or not, and decode alike)."""
+
+    def __init__(self, request: "Request", index: int, token_ids: list[int]):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_registered = 0  # full blocks already offered to the prefix cache
+        self.status = Status.WAITING
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        seed = request.params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
+        # incremental detokenization state
+        self.text = ""
+        self.prefix_offset = self.read_offset = self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def priority(self) -> int:
+        return self.request.params.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=self.output_ids,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    seqs: list[Sequence] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.metrics = RequestMetrics(self.arrival_time)
+        self.seqs.append(Sequence(self, 0, self.prompt_token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def forked(self) -> bool:
+        return len(self.seqs) == self.params.n
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.output() for s in self.seqs],
+            finished=self.finished,
+            metrics=self.metrics,
+        )

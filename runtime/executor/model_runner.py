@@ -1,0 +1,129 @@
+"""The only code that touches the device: builds a step's input tensors, runs the model
+over the paged KV cache, and returns logits for the rows that sample."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shoal.runtime.distributed import SINGLE, ParallelState
+from shoal.runtime.engine.scheduler import ScheduledBatch
+from shoal.runtime.layers.attention import AttentionMetadata
+from shoal.runtime.models.llama import LlamaForCausalLM
+from shoal.runtime.models.loader import iter_weights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_BYTES = 2 * 2**30
+
+
+@dataclass
+class StepInput:
+    """Everything a rank needs to run one step: plain tensors, cheap to send to workers."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
+
+
+def _pad(rows: list[list[int]]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int) -> StepInput:
+    """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs."""
+    nd = batch.num_decodes
+    decodes = batch.seqs[:nd]
+    ids, pos, slots = [], [], []
+    for s in decodes:
+        p = s.num_computed
+        ids.append(s.token_ids[p])
+        pos.append(p)
+        slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+    starts = [0]
+    for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]):
+        p = np.arange(s.num_computed, s.num_computed + n)
+        table = np.asarray(s.block_table)
+        ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
+        pos.extend(p.tolist())
+        slots.extend((table[p // block_size] * block_size + p % block_size).tolist())
+        starts.append(starts[-1] + n)
+    prefills = batch.seqs[nd:]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        num_decode_tokens=nd,
+        decode_block_tables=_pad([s.block_table for s in decodes]) if decodes else None,
+        decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long) if decodes else None,
+        prefill_block_tables=_pad([s.block_table for s in prefills]) if prefills else None,
+        prefill_query_start_loc=torch.tensor(starts, dtype=torch.long) if prefills else None,
+        prefill_context_lens=torch.tensor([s.num_computed + n for s, n in zip(prefills, batch.num_new_tokens[nd:])], dtype=torch.long)
+        if prefills
+        else None,
+    )
+    return StepInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(sample_rows, dtype=torch.long))
+
+
+def _to(x, device):
+    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+
+class ModelRunner:
+    def __init__(self, config, hf_config, model_dir, max_model_len: int, state: ParallelState = SINGLE, layer_split=None):
+        self.config, self.hf_config, self.state = config, hf_config, state
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES.get(config.dtype, torch.float32)
+        from shoal.kernels import get_ops
+
+        self.ops = get_ops(config.attention_backend, self.device)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(hf_config, state, max_positions=max_model_len, layer_split=layer_split)
+        model.load_weights(iter_weights(model_dir))
+        self.model = model.to(self.dtype).eval()
+        self.model.cos_sin = self.model.cos_sin.float()
+        self.kv_caches: list[torch.Tensor] = []
+
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        return 2 * len(m.layers) * self.config.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def num_blocks_for(self, kv_cache_memory: float | None) -> int:
+        if kv_cache_memory is None:
+            if self.device.type == "cuda":
+                kv_cache_memory = 0.9
+            else:
+                kv_cache_memory = DEFAULT_CPU_KV_BYTES
+        if kv_cache_memory <= 1.0:
+            if self.device.type != "cuda":
+                raise ValueError("a fractional --kv-cache-memory needs a GPU; give bytes on CPU (e.g. 2GiB)")
+            free, _ = torch.cuda.mem_get_info(self.device)
+            kv_cache_memory = free * kv_cache_memory
+        return int(kv_cache_memory // self.kv_bytes_per_block())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        shape = (2, num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
+        # zeros: calloc'd pages on CPU, so untouched memory is free and never NaN
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in m.layers]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for cache in self.kv_caches:
+            cache[:, dst].copy_(cache[:, src])
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput, hidden=None, residual=None):
+        """Run this rank's layers. Last stage: logits [S, V] float32 of the sample rows;
+        other stages: (hidden, residual) for the next stage."""
+        dev = self.device
+        meta = AttentionMetadata(**{k: _to(v, dev) for k, v in vars(step.meta).items()})
+        hidden, residual = self.model(
+            self.ops, step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta, hidden, residual
+        )
+        if not self.state.is_last_stage:
+            return hidden, residual
+        return self.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()

@@ -1,0 +1,41 @@
+"""Attention over the paged KV cache, behind one small interface.
+
+The model runner builds one AttentionMetadata per step; every layer calls `attend`, which
+writes the step's new keys/values into the cache and attends with the chosen backend's
+kernels (shoal.kernels: Triton on CUDA, the torch references on CPU). A step's tokens are
+ordered decodes first (one query token each) then prefill chunks, so each group runs as
+one batched call: no loop over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T]
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [Bd, nb]
+    decode_context_lens: torch.Tensor | None  # [Bd]
+    prefill_block_tables: torch.Tensor | None  # [Bp, nb]
+    prefill_query_start_loc: torch.Tensor | None  # [Bp + 1], offsets within the prefill tokens
+    prefill_context_lens: torch.Tensor | None  # [Bp]
+
+
+def attend(ops, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, h, d], k/v [T, kvh, d], kv_cache [2, num_blocks, block_size, kvh, d] -> [T, h, d]."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    if nd == q.shape[0]:
+        return ops.paged_attention_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    prefill = ops.paged_attention_prefill(
+        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, scale
+    )
+    if nd == 0:
+        return prefill
+    decode = ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return torch.cat((decode, prefill))
