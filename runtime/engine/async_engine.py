@@ -78,6 +78,14 @@ class Output:
 
 
 @dataclass
+class Accepted:
+    """add_request succeeded: the request is in the engine."""
+
+    request_id: str
+    tag: Any
+
+
+@dataclass
 class Rejected:
     """add_request raised ValueError: nothing was added."""
 
@@ -158,8 +166,9 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: the engine's queue plus submissions not yet applied."""
-        pending = self._submitted - self._applied
-        return pending + (self._stats.num_waiting if self._stats is not None else 0)
+        pending = self._submitted - self._applied  # read before _stats (see _apply_inbox)
+        stats = self._stats
+        return pending + (stats.num_waiting if stats is not None else 0)
 
     @property
     def num_live(self) -> int:
@@ -225,7 +234,7 @@ class AsyncEngine:
             if isinstance(item, Output):
                 if item.finished:
                     self._live.pop(item.request_id, None)
-            else:
+            elif not isinstance(item, Accepted):
                 self._live.pop(item.request_id, None)
             queue.put_nowait(item)
 
@@ -264,6 +273,7 @@ class AsyncEngine:
         self._call_loop(self._run_loaded_callbacks)
         try:
             self._loop_forever(engine)
+            self._shutdown_engine(engine)
         except BaseException as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
             logger.error("engine loop died: %s\n%s", self.error, traceback.format_exc())
@@ -278,6 +288,15 @@ class AsyncEngine:
             if posts:
                 self._call_loop(self._dispatch, posts)
 
+    @staticmethod
+    def _shutdown_engine(engine) -> None:
+        close = getattr(engine, "shutdown", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001
+                logger.exception("engine shutdown failed")
+
     def _run_loaded_callbacks(self) -> None:
         for cb in self._loaded_callbacks:
             cb()
@@ -287,6 +306,9 @@ class AsyncEngine:
             self._last_progress = time.monotonic()
             posts: list = []
             self._apply_inbox(engine, posts)
+            if posts:  # acceptances and rejections go out before the (possibly long) step
+                self._call_loop(self._dispatch, posts)
+                posts = []
             if engine.has_unfinished_requests():
                 self._in_step = True
                 outputs = engine.step()
@@ -311,18 +333,19 @@ class AsyncEngine:
             self.metrics.update_from_stats(self._stats, extra_waiting=self._submitted - self._applied)
 
     def _apply_inbox(self, engine, posts: list) -> None:
+        added = 0
         while self._inbox:
             msg = self._inbox.popleft()
             if msg[0] == "add":
                 _, rid, prompt, params, queue, tag, arrival = msg
+                added += 1
                 try:
                     engine.add_request(rid, prompt, params, arrival_time=arrival)
                 except (ValueError, TypeError, OverflowError) as e:
                     posts.append((queue, Rejected(rid, tag, str(e) or type(e).__name__)))
                 else:
+                    posts.append((queue, Accepted(rid, tag)))
                     self._tracks[rid] = _Track(queue=queue, tag=tag, arrival=arrival, n=getattr(params, "n", 1) or 1)
-                finally:
-                    self._applied += 1
             else:
                 _, rid, notify = msg
                 engine.abort_request(rid)
@@ -333,6 +356,11 @@ class AsyncEngine:
                     if notify:
                         deltas = [Delta(i, "", [], None, "abort") for i in range(tr.n)]
                         posts.append((tr.queue, Output(rid, tr.tag, deltas, True)))
+        if added:
+            # Stats first, then the applied count: a reader of num_waiting may briefly count
+            # a request twice (refusing early), never zero times (admitting past the bound).
+            self._stats = engine.stats()
+            self._applied += added
 
     def _handle_outputs(self, outputs, posts: list) -> None:
         now = time.time()

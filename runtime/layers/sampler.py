@@ -75,6 +75,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch
     return logits
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SampleResult:
     """logits [S, V] float32, one row per sampling sequence."""
     logits = logits.float()

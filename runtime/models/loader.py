@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # name -> (package carrying the file, file name inside it)
 BUILTIN_MODELS = {
@@ -144,6 +145,8 @@ def load_config(model_dir: str | os.PathLike) -> "PretrainedConfig":
     model_dir = Path(model_dir)
     raw = _read_json(model_dir / "config.json")
     archs = list(raw.get("architectures") or [])
+    if not archs and raw.get("model_type") in _MODEL_TYPES:  # some configs name only the model_type
+        archs = [_MODEL_TYPES[raw["model_type"]]]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         got = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r} with no architectures"
         raise ValueError(

@@ -1,0 +1,360 @@
+"""`shoal bench serve`: load a running server the way users do, and measure it.
+
+    shoal bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4
+    shoal bench serve --max-concurrency 16 --json out.json
+    shoal bench serve --sweep 0.5,1,2,4 --plot latency.png
+    shoal bench serve --compare-offline [ENGINE FLAGS]   # HTTP overhead vs the offline LLM
+
+Requests arrive as a Poisson process at --request-rate (inf: all at once) or are held at
+--max-concurrency in flight. Lengths are ShareGPT-like: prompt and output lengths drawn
+log-uniformly (many short, a long tail) from a fixed --seed, prompt token ids uniform in
+[1000, 40000); every request is forced to its full output length (min_tokens = max_tokens,
+ignore_eos), so runs are comparable. Each request streams from /v1/completions; we report
+throughput (requests/s, output tokens/s), time to first token, inter-token latency (gap
+between streamed chunks, as vLLM's benchmark does) and end-to-end latency, each as mean,
+p50, p90 and p99.
+
+`http_overhead` runs one workload through the offline engine (`LLM.generate`, all prompts
+at once) and then through a `shoal serve` subprocess with the same engine flags (all
+requests at once), and reports server throughput / offline throughput. The goal
+(PERFORMANCE.md) is an overhead under 10%.
+
+Import is cheap (no torch); httpx and numpy load on use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+MODEL_DEFAULT = None  # ask the server's /v1/models
+
+
+# ------------------------------------------------------------------------------ workloads
+@dataclass
+class Item:
+    prompt: list[int]
+    output_len: int
+
+
+def sharegpt_like(num: int, seed: int = 0, input_range=(16, 1024), output_range=(16, 512)) -> list[Item]:
+    """Log-uniform prompt and output lengths (ShareGPT's shape: most short, a long tail)."""
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(seed))
+
+    def loguniform(lo, hi, size):
+        return np.exp(rng.uniform(math.log(lo), math.log(hi + 1), size)).astype(int).clip(lo, hi)
+
+    ins = loguniform(*input_range, num)
+    outs = loguniform(*output_range, num)
+    return [Item(rng.integers(1000, 40000, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
+
+
+def public_workload(num: int = 32, seed: int = 0) -> list[Item]:
+    """PERFORMANCE.md's public workload: uniform lengths, PCG64(seed), lengths then ids."""
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(seed))
+    ins = rng.integers(16, 512, num, endpoint=True)
+    outs = rng.integers(16, 256, num, endpoint=True)
+    return [Item(rng.integers(1000, 40000, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
+
+
+# ------------------------------------------------------------------------------ one request
+@dataclass
+class Result:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def _one(client, url: str, model: str, item: Item, headers: dict) -> Result:
+    import httpx
+
+    body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len, "min_tokens": item.output_len, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    res = Result(False, len(item.prompt))
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                now = time.perf_counter()
+                if chunk.get("choices") and (chunk["choices"][0].get("text") or chunk["choices"][0].get("finish_reason")):
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_len = chunk["usage"]["completion_tokens"]
+    except (httpx.HTTPError, OSError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - t0
+    res.ok = True
+    return res
+
+
+def _stats(values: list[float]) -> dict:
+    import numpy as np
+
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
+
+
+async def run_load(base_url: str, items: list[Item], *, request_rate: float = math.inf, max_concurrency: int | None = None,
+                   model: str | None = None, api_key: str | None = None, seed: int = 0) -> dict:
+    """Send `items` to the server; returns the summary dict (see `format_summary`)."""
+    import httpx
+    import numpy as np
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or len(items) or 1, max_keepalive_connections=max_concurrency or len(items) or 1)
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=httpx.Timeout(3600, connect=30), limits=limits) as client:
+        if model is None:
+            r = await client.get("/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        rng = np.random.Generator(np.random.PCG64(seed + 1))
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def guarded(item):
+            if sem is None:
+                return await _one(client, "/v1/completions", model, item, headers)
+            async with sem:
+                return await _one(client, "/v1/completions", model, item, headers)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for item in items:
+            tasks.append(asyncio.ensure_future(guarded(item)))
+            if math.isfinite(request_rate) and request_rate > 0:
+                await asyncio.sleep(float(rng.exponential(1.0 / request_rate)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    good = [r for r in results if r.ok]
+    out_tokens = sum(r.output_len for r in good)
+    in_tokens = sum(r.prompt_len for r in good)
+    return {
+        "model": model,
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "max_concurrency": max_concurrency,
+        "num_requests": len(items),
+        "completed": len(good),
+        "failed": len(results) - len(good),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "request_throughput": len(good) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
+        "ttft_s": _stats([r.ttft for r in good]),
+        "itl_s": _stats([x for r in good for x in r.itl]),
+        "e2e_s": _stats([r.latency for r in good]),
+    }
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"model {s['model']}  rate {s['request_rate']} req/s  concurrency {s['max_concurrency'] or '-'}",
+        f"requests {s['completed']}/{s['num_requests']} ok ({s['failed']} failed) in {s['duration_s']:.2f} s",
+        f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, {s['total_token_throughput']:.1f} total tok/s",
+        f"{'':14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}   (ms)",
+    ]
+    for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency")):
+        st = s[key]
+        cells = "".join(f"{st[q] * 1000:>10.1f}" if st[q] is not None else f"{'-':>10}" for q in ("mean", "p50", "p90", "p99"))
+        lines.append(f"{name:14}{cells}")
+    for err in s["errors"]:
+        lines.append(f"error: {err}")
+    return "\n".join(lines)
+
+
+def plot_sweep(summaries: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no plot", file=sys.stderr)
+        return False
+    rates = [s["request_rate"] if s["request_rate"] != "inf" else float("nan") for s in summaries]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, (key, title) in zip(axes, (("ttft_s", "time to first token"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency"))):
+        for q in ("p50", "p90", "p99"):
+            ax.plot(rates, [(s[key][q] or float("nan")) * 1000 for s in summaries], marker="o", label=q)
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"shoal bench serve: {summaries[0]['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------ HTTP overhead
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(base_url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shoal serve exited with {proc.returncode}")
+        try:
+            if httpx.get(base_url + "/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"shoal serve not ready after {timeout:.0f}s")
+
+
+def offline_throughput(items: list[Item], engine_kwargs: dict) -> dict:
+    from shoal import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs)
+    params = [SamplingParams(max_tokens=it.output_len, min_tokens=it.output_len, ignore_eos=True, temperature=0.0) for it in items]
+    t0 = time.perf_counter()
+    outs = llm.generate([it.prompt for it in items], params, use_tqdm=False)
+    duration = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.engine.shutdown()
+    return {"duration_s": duration, "output_tokens": tokens, "output_throughput": tokens / duration}
+
+
+def http_overhead(items: list[Item], engine_args: list[str], engine_kwargs: dict, startup_timeout: float = 900) -> dict:
+    """Same workload, offline then through `shoal serve ENGINE_ARGS`; prints and returns the ratio."""
+    import gc
+
+    offline = offline_throughput(items, engine_kwargs)
+    gc.collect()
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, SHOAL_ACCESS_LOG="0")
+    cmd = [sys.executable, "-m", "shoal.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--max-waiting", str(max(512, len(items))), *engine_args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_ready(base, proc, startup_timeout)
+        served = asyncio.run(run_load(base, items))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    ratio = served["output_throughput"] / offline["output_throughput"]
+    report = {"offline": offline, "server": served, "server_over_offline": ratio, "http_overhead": 1 - ratio}
+    print(f"offline {offline['output_throughput']:.1f} tok/s ({offline['duration_s']:.1f} s); "
+          f"server {served['output_throughput']:.1f} tok/s ({served['duration_s']:.1f} s); "
+          f"server/offline {ratio:.3f} -> HTTP overhead {100 * (1 - ratio):.1f}% (goal < 10%)")
+    return report
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (not with --compare-offline)")
+    parser.add_argument("--model", default=None, help="model name in the requests (default: the server's)")
+    parser.add_argument("--api-key", default=os.environ.get("SHOAL_API_KEY"))
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument("--sweep", default=None, help="comma-separated request rates to run one after another (for --plot)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--input-len", default="16:1024", help="MIN:MAX prompt tokens (log-uniform)")
+    parser.add_argument("--output-len", default="16:512", help="MIN:MAX output tokens (log-uniform)")
+    parser.add_argument("--workload", choices=["sharegpt", "public"], default="sharegpt", help="public: PERFORMANCE.md's 32-request workload")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, help="PNG of latency against request rate (with --sweep)")
+    parser.add_argument("--compare-offline", action="store_true", help="measure HTTP overhead: offline LLM vs a `shoal serve` subprocess")
+    parser.add_argument("engine_args", nargs=argparse.REMAINDER, help="with --compare-offline: engine flags for both (after --)")
+    parser.set_defaults(func=run)
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def workload_from_args(args) -> list[Item]:
+    if args.workload == "public":
+        return public_workload(args.num_prompts if args.num_prompts != 100 else 32, args.seed)
+    return sharegpt_like(args.num_prompts, args.seed, _range(args.input_len), _range(args.output_len))
+
+
+def _engine_kwargs(engine_args: list[str]) -> dict:
+    from shoal.runtime.config import EngineConfig, add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(engine_args)
+    known = {f for f in EngineConfig.__dataclass_fields__}
+    return {k: v for k, v in vars(ns).items() if k in known and v is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    items = workload_from_args(args)
+    if args.compare_offline:
+        engine_args = [a for a in (args.engine_args or []) if a != "--"]
+        report = http_overhead(items, engine_args, _engine_kwargs(engine_args))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+        return 0
+    rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    summaries = []
+    for rate in rates:
+        s = asyncio.run(run_load(args.base_url, items, request_rate=rate, max_concurrency=args.max_concurrency, model=args.model, api_key=args.api_key, seed=args.seed))
+        summaries.append(s)
+        print(format_summary(s))
+        print()
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"workload": {"kind": args.workload, "num_prompts": len(items), "seed": args.seed}, "runs": summaries}, f, indent=2)
+    if args.plot:
+        if plot_sweep(summaries, args.plot):
+            print(f"plot written to {args.plot}")
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="shoal bench serve")
+    add_arguments(p)
+    a = p.parse_args()
+    sys.exit(a.func(a))

@@ -1,0 +1,443 @@
+"""Model resolution, the GGUF -> HF conversion of the built-in model, and the checkpoint readers.
+
+The built-in SmolLM2 conversion goes to the default cache (``$SHOAL_CACHE`` or ``~/.cache/shoal``)
+so repeated runs reuse it; the atomicity and concurrency tests use a tiny GGUF written here and a
+temporary ``SHOAL_CACHE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.runtime.models import gguf_convert
+from shoal.runtime.models.gguf_convert import convert_gguf
+from shoal.runtime.models.loader import (
+    SUPPORTED_ARCHITECTURES,
+    builtin_gguf_path,
+    iter_weights,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+)
+
+PROMPTS = ["The capital of France is", "def fib(n):\n    return", "In 2024, 17 people ate 365 apples."]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """On a shared, busy CPU, torch's second thread spin-waits: 1 thread is ~6x faster here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def builtin_dir() -> Path:
+    return resolve_model("builtin://smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def builtin_model(builtin_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(builtin_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def gguf_reference(builtin_dir):
+    """transformers reading the GGUF itself: its own config parsing, names, Q/K un-permutation and
+    dequantization -- ``(model, config dict)``.
+
+    This is what ``from_pretrained(dir, gguf_file=...)`` does, spelled out: that call insists on
+    ``accelerate``, which the runtime does not need, and would parse the GGUF twice.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        no_init_weights = contextlib.nullcontext
+
+    import gguf as gguf_package
+
+    with torch.device("meta"):  # only its parameter names are used, to map the GGUF's
+        namer = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(builtin_dir))
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers rebuilds the same name table for each of ~400 submodules; build it once
+        mp.setattr(gguf_package, "get_tensor_name_map", functools.cache(gguf_package.get_tensor_name_map))
+        parsed = load_gguf_checkpoint(str(builtin_gguf_path()), return_tensors=True, model_to_load=namer)
+    del namer
+    config = dict(parsed["config"])
+    ref_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(ref_config, dtype=torch.float32)
+    result = model.load_state_dict(parsed["tensors"], strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval(), dict(parsed["config"])
+
+
+@pytest.fixture(scope="session")
+def gguf_reference_model(gguf_reference):
+    return gguf_reference[0]
+
+
+def _tiny_llama(vocab_size=262, tie=False, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms are ones at init; make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+TINY_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _write_tiny_gguf(path: Path, model) -> None:
+    """Write ``model`` the way llama.cpp's converter would (Q/K rows permuted), embeddings in Q8_0."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    cfg = model.config
+    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def permute(w, heads):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    byte_tokens = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens = specials + byte_tokens + ["Ġt", "he", "Ġthe"]
+    assert len(tokens) == cfg.vocab_size
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(cfg.hidden_size // n_head)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TINY_TEMPLATE)
+
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    emb = sd["model.embed_tokens.weight"]
+    q8 = gguf.quants.quantize(emb, gguf.GGMLQuantizationType.Q8_0)
+    with torch.no_grad():  # the reference holds what the file holds
+        model.model.embed_tokens.weight.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+    w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            sub = "self_attn." if hf.endswith("_proj") and hf[0] in "qkvo" else "mlp." if hf.endswith("_proj") else ""
+            t = sd[f"model.layers.{i}.{sub}{hf}.weight"]
+            if gg == "attn_q":
+                t = permute(t, n_head)
+            elif gg == "attn_k":
+                t = permute(t, n_kv)
+            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    model = _tiny_llama()
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    _write_tiny_gguf(path, model)
+    return path, model
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "shoal-cache"
+    monkeypatch.setenv("SHOAL_CACHE", str(cache))
+    return cache
+
+
+# ----------------------------------------------------------------------------- the built-in model
+
+
+def test_builtin_matches_transformers_gguf(builtin_model, gguf_reference_model, builtin_dir):
+    tok = load_tokenizer(builtin_dir)
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ours = builtin_model(ids).logits
+            ref = gguf_reference_model(ids).logits
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert tok.decode(builtin_model(ids).logits[0, -1].argmax()) == " Paris"  # real weights, real text
+
+
+def test_builtin_config_and_files(builtin_dir, gguf_reference):
+    files = {p.name for p in builtin_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= files
+    assert not any(n.startswith(".") for n in files)
+    cfg = load_config(builtin_dir)
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (576, 1536, 30)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.vocab_size == 49152 and cfg.max_position_embeddings == 8192
+    raw = json.loads((builtin_dir / "config.json").read_text())
+    assert raw["rope_theta"] == 100000.0 and raw["rms_norm_eps"] == 1e-5 and raw["torch_dtype"] == "float32"
+    assert cfg.tie_word_embeddings is True
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 2, 2)
+    _, ref = gguf_reference  # what transformers itself reads from the GGUF metadata
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert raw[key] == ref[key], key
+    assert raw["rms_norm_eps"] == pytest.approx(ref["rms_norm_eps"], rel=1e-6)
+    assert raw["rope_theta"] == pytest.approx(ref.get("rope_theta", ref.get("rope_parameters", {}).get("rope_theta")))
+    gen = json.loads((builtin_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
+    # resolving again is a cache hit, and the bare name is accepted
+    assert resolve_model("smollm2-135m-instruct") == builtin_dir
+
+
+def test_builtin_weights_names_and_dtype(builtin_dir, builtin_model):
+    expected = {k for k in builtin_model.state_dict() if k != "lm_head.weight"}  # tied
+    seen = {}
+    for name, tensor in iter_weights(builtin_dir):
+        assert tensor.dtype == torch.float32
+        seen[name] = tuple(tensor.shape)
+    assert set(seen) == expected
+    assert seen["model.embed_tokens.weight"] == (49152, 576)
+    assert seen["model.layers.0.self_attn.k_proj.weight"] == (192, 576)
+
+
+def test_builtin_tokenizer(builtin_dir):
+    tok = load_tokenizer(builtin_dir)
+    assert tok.is_fast
+    for text in ["Hello, world! Ça va? 你好 🙂", "  leading spaces\nand\ttabs", "x = [1, 22, 333]"]:
+        assert tok.decode(tok(text).input_ids) == text
+    assert tok("<|im_start|>user")["input_ids"][0] == 1  # specials stay whole
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    assert tok.convert_ids_to_tokens(0) == "<|endoftext|>"
+    assert tok("hi").input_ids[0] != tok.bos_token_id  # no BOS added (add_bos_token false)
+    assert tok.tokenize("2024") == ["2", "0", "2", "4"]  # smollm pre-tokenizer: single digits
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert "chat_template" in json.loads((builtin_dir / "tokenizer_config.json").read_text())
+
+
+# ----------------------------------------------------------------------------- conversion on a tiny GGUF
+
+
+def test_tiny_gguf_roundtrip_is_exact(tiny_gguf, tmp_cache):
+    from transformers import AutoModelForCausalLM
+
+    path, reference = tiny_gguf
+    out = resolve_model(str(path))
+    assert out.parent == tmp_cache / "models" and out.name.startswith("gguf-")
+    converted = dict(iter_weights(out))
+    expected = reference.state_dict()
+    assert set(converted) == set(expected)
+    for name, tensor in converted.items():  # F32 tensors come back bit-exact, Q/K un-permuted
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0, msg=name)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 50, 60, 70, 259, 261, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    tok = load_tokenizer(out)
+    assert tok.tokenize(" the") == ["Ġthe"] and tok.decode(tok(" the hello").input_ids) == " the hello"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    assert resolve_model(f"file://{path}") == out  # same file, same cache entry
+
+
+def test_interrupted_conversion_leaves_nothing(tiny_gguf, tmp_path, monkeypatch):
+    path, _ = tiny_gguf
+    out = tmp_path / "models" / "tiny"
+    real = gguf_convert._write_tokenizer
+
+    def boom(*args, **kwargs):  # weights already written, tokenizer not yet
+        raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr(gguf_convert, "_write_tokenizer", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(path, out, progress=False)
+    assert not out.exists()
+    assert [p.name for p in out.parent.iterdir() if not p.name.endswith(".lock")] == []
+
+    # a conversion killed outright leaves its temporary directory behind; the next one clears it
+    stale = out.parent / f".{out.name}.tmp-999999-deadbeef"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    monkeypatch.setattr(gguf_convert, "_write_tokenizer", real)
+    assert convert_gguf(path, out, progress=False) == out
+    assert not stale.exists()
+    assert gguf_convert.is_converted(out, path)
+    load_config(out)
+    assert len(dict(iter_weights(out))) > 0
+
+
+def test_converted_dir_is_redone_when_stale(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    out = convert_gguf(path, tmp_path / "tiny", progress=False)
+    manifest = out / gguf_convert.MANIFEST
+    data = json.loads(manifest.read_text())
+    data["converter_version"] = -1
+    manifest.write_text(json.dumps(data))
+    assert not gguf_convert.is_converted(out, path)
+    convert_gguf(path, out, progress=False)
+    assert gguf_convert.is_converted(out, path)
+
+
+CONCURRENT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from shoal.runtime.models import gguf_convert
+    real = gguf_convert._convert_into
+    def slow(*args, **kwargs):
+        print("CONVERTING", flush=True)
+        time.sleep(1.0)  # widen the window in which the other process must wait
+        return real(*args, **kwargs)
+    gguf_convert._convert_into = slow
+    print("DIR", gguf_convert.convert_gguf(sys.argv[1], sys.argv[2], progress=False), flush=True)
+    """
+)
+
+
+def test_concurrent_conversion_converts_once(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    out = tmp_path / "models" / "tiny"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CONCURRENT_SCRIPT, str(path), str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (stdout, stderr) in zip(procs, results):
+        assert p.returncode == 0, stderr
+        assert f"DIR {out}" in stdout
+    assert sum(stdout.count("CONVERTING") for stdout, _ in results) == 1
+    assert gguf_convert.is_converted(out, path)
+    assert json.loads((out / gguf_convert.MANIFEST).read_text())["converter_pid"] in {p.pid for p in procs}
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tiny", "tiny.lock"]
+    load_config(out)
+    load_tokenizer(out)
+
+
+# ----------------------------------------------------------------------------- resolve_model
+
+
+def test_resolve_local_dirs(tmp_path):
+    _tiny_llama(vocab_size=64).save_pretrained(tmp_path / "m")
+    assert resolve_model(str(tmp_path / "m")) == (tmp_path / "m").resolve()
+    assert resolve_model(f"file://{tmp_path / 'm'}") == (tmp_path / "m").resolve()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("source", ["s3://bucket/model", "ftp://x/y", "no-such-model", "builtin://no-such-model", ""])
+def test_resolve_rejects_bad_sources(source):
+    with pytest.raises(ValueError) as err:
+        resolve_model(source)
+    message = str(err.value)
+    assert "builtin://" in message or "smollm2-135m-instruct" in message
+
+
+def test_resolve_hf_without_hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="pre-download|Pre-download"):
+        resolve_model("hf://shoal-tests/definitely-not-cached", revision="main")
+    with pytest.raises(ValueError, match="hf://ORG/NAME"):
+        resolve_model("hf://just-a-name")
+    with pytest.raises(ValueError, match="file:///"):
+        resolve_model("file://somehost/abs/dir")
+
+
+# ----------------------------------------------------------------------------- load_config, iter_weights
+
+
+def test_load_config_rejects_unsupported(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "a")
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "b")  # no architectures
+    for d, named in ((tmp_path / "a", "GPT2LMHeadModel"), (tmp_path / "b", "gpt2")):
+        with pytest.raises(ValueError) as err:
+            load_config(d)
+        for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+            assert arch in str(err.value)
+        assert named in str(err.value)
+    assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+def test_iter_weights_sharded_and_bin(tmp_path):
+    model = _tiny_llama(vocab_size=300)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    expected = model.state_dict()
+
+    it = iter_weights(tmp_path / "sharded")
+    first_name, first = next(it)  # lazy: one tensor at a time
+    got = {first_name: first, **dict(it)}
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0)
+    assert load_config(tmp_path / "sharded").num_key_value_heads == 2
+
+    (tmp_path / "bin").mkdir()
+    torch.save({k: v.clone() for k, v in expected.items()}, tmp_path / "bin" / "pytorch_model.bin")
+    got = dict(iter_weights(tmp_path / "bin"))
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0)
+
+    (tmp_path / "none").mkdir()
+    with pytest.raises(FileNotFoundError):
+        next(iter_weights(tmp_path / "none"))
