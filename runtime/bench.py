@@ -1,0 +1,157 @@
+"""Offline benchmarks: engine throughput on named workloads (optionally against
+transformers' static batching in the same run) and batch-1 latency."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from shoal.runtime import workloads
+from shoal.runtime.config import EngineConfig
+from shoal.runtime.sampling_params import SamplingParams
+
+
+def _engine(args):
+    from shoal.runtime.entrypoints.llm import LLM
+
+    cfg = EngineConfig.from_args(args)
+    return LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
+
+
+def run_engine(llm, items) -> dict:
+    """Submit every item at once and step until all finish; returns figures."""
+    engine = llm.engine
+    start = time.perf_counter()
+    for i, item in enumerate(items):
+        params = SamplingParams(max_tokens=item.output_len, min_tokens=item.output_len, ignore_eos=True, temperature=0.0)
+        engine.add_request(f"bench-{i}", item.prompt, params)
+    peak_usage, allocated, wasted, steps = 0.0, 0, 0, 0
+    outputs = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs += len(out.outputs[0].token_ids)
+        steps += 1
+        peak_usage = max(peak_usage, engine.pool.usage())
+        a, w = engine.scheduler.fragmentation()
+        allocated += a
+        wasted += w
+    elapsed = time.perf_counter() - start
+    stats = engine.stats()
+    return {
+        "seconds": elapsed,
+        "steps": steps,
+        "output_tokens": outputs,
+        "output_tokens_per_s": outputs / elapsed,
+        "total_tokens_per_s": (outputs + sum(len(i.prompt) for i in items)) / elapsed,
+        "kv_cache_peak_usage": peak_usage,
+        "kv_fragmentation": wasted / allocated if allocated else 0.0,
+        "num_preemptions": stats.num_preemptions,
+        "prefix_cache_hit_rate": stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0,
+    }
+
+
+def run_hf(model_dir, items, batch_size: int) -> dict:
+    """transformers' static batching: left-padded batches in workload order, each run to its
+    longest output; only the requested tokens count as useful."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    start = time.perf_counter()
+    useful = 0
+    for b in range(0, len(items), batch_size):
+        chunk = items[b : b + batch_size]
+        width = max(len(i.prompt) for i in chunk)
+        ids = torch.tensor([[0] * (width - len(i.prompt)) + i.prompt for i in chunk])
+        mask = torch.tensor([[0] * (width - len(i.prompt)) + [1] * len(i.prompt) for i in chunk])
+        longest = max(i.output_len for i in chunk)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0)
+        useful += sum(i.output_len for i in chunk)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed}
+
+
+def throughput(args) -> int:
+    llm = _engine(args)
+    items = workloads.load(args.workload, args.num_prompts, args.workload_seed, llm.tokenizer)
+    print(f"workload {args.workload}: {len(items)} requests, {sum(len(i.prompt) for i in items)} prompt tokens, "
+          f"{sum(i.output_len for i in items)} output tokens")
+    result = {"workload": args.workload, "engine": run_engine(llm, items)}
+    e = result["engine"]
+    print(f"shoal:        {e['output_tokens_per_s']:7.1f} output tok/s  ({e['total_tokens_per_s']:.1f} total tok/s, "
+          f"{e['seconds']:.1f} s, {e['steps']} steps, {e['num_preemptions']} preemptions)")
+    print(f"KV cache:     peak use {e['kv_cache_peak_usage']:.1%} of {llm.engine.pool.num_blocks} blocks; "
+          f"lost to fragmentation {e['kv_fragmentation']:.2%} of allocated; prefix hit rate {e['prefix_cache_hit_rate']:.1%}")
+    if args.compare_hf:
+        hf = run_hf(llm.engine.model_dir, items, args.hf_batch_size)
+        result["hf"] = hf
+        result["ratio"] = e["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        print(f"transformers: {hf['output_tokens_per_s']:7.1f} output tok/s  (static batches of {args.hf_batch_size}, {hf['seconds']:.1f} s)")
+        print(f"ratio:        {result['ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    llm.engine.shutdown()
+    return 0
+
+
+def _one(engine, prompt, output_len) -> tuple[float, float]:
+    """(time to first token, decode tokens/s after it) for one request alone."""
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    engine.add_request(f"lat-{start}", prompt, params)
+    first = last = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        now = time.perf_counter()
+        first = first or now
+        last = now
+    decode = (output_len - 1) / (last - first) if output_len > 1 else float("nan")
+    return first - start, decode
+
+
+def latency(args) -> int:
+    llm = _engine(args)
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    fresh = lambda n: rng.integers(1000, 40000, n).tolist()  # noqa: E731  (no prefix-cache hits)
+    runs = [_one(engine, fresh(args.input_len), args.output_len) for _ in range(args.iters)]
+    prefill = [_one(engine, fresh(args.prefill_len), 1)[0] for _ in range(args.iters)]
+    result = {
+        "ttft_s": statistics.median(r[0] for r in runs),
+        "decode_tokens_per_s": statistics.median(r[1] for r in runs),
+        "prefill_tokens_per_s": args.prefill_len / statistics.median(prefill),
+    }
+    print(f"shoal:        TTFT {result['ttft_s'] * 1000:.0f} ms ({args.input_len}-token prompt), "
+          f"decode {result['decode_tokens_per_s']:.1f} tok/s, prefill {result['prefill_tokens_per_s']:.0f} tok/s "
+          f"({args.prefill_len} tokens)")
+    if args.compare_hf:
+        result["hf"] = _hf_latency(engine.model_dir, fresh(args.input_len), args.output_len)
+        h = result["hf"]
+        print(f"transformers: TTFT {h['ttft_s'] * 1000:.0f} ms, decode {h['decode_tokens_per_s']:.1f} tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    engine.shutdown()
+    return 0
+
+
+def _hf_latency(model_dir, prompt, output_len) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        ttft = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        total = time.perf_counter() - t
+    return {"ttft_s": ttft, "decode_tokens_per_s": (output_len - 1) / max(total - ttft, 1e-9)}

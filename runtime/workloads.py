@@ -1,0 +1,72 @@
+"""Named benchmark workloads: lists of (prompt token ids, output length), reproducible by seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NAMES = ("public", "sharegpt", "shared-prefix")
+
+
+@dataclass
+class Item:
+    prompt: list[int]
+    output_len: int
+
+
+def public() -> list[Item]:
+    """PERFORMANCE.md's workload: 32 requests, prompts U[16, 512], outputs U[16, 256],
+    ids U[1000, 40000), one PCG64(0) generator drawn in that order (8,879 / 4,295 tokens)."""
+    rng = np.random.Generator(np.random.PCG64(0))
+    prompt_lens = rng.integers(16, 512, 32, endpoint=True)
+    output_lens = rng.integers(16, 256, 32, endpoint=True)
+    return [Item(rng.integers(1000, 40000, n).tolist(), int(m)) for n, m in zip(prompt_lens, output_lens)]
+
+
+def _log_uniform(rng, low: int, high: int, n: int) -> np.ndarray:
+    return np.exp(rng.uniform(np.log(low), np.log(high), n)).astype(int)
+
+
+def sharegpt(num_prompts: int = 64, seed: int = 0, tokenizer=None) -> list[Item]:
+    """A ShareGPT-like chat mix: log-uniform prompt (4..1024) and output (4..512) lengths.
+    With a tokenizer the prompts are real text (repeated English), else random ids."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = _log_uniform(rng, 4, 1024, num_prompts)
+    output_lens = _log_uniform(rng, 4, 512, num_prompts)
+    if tokenizer is not None:
+        corpus = tokenizer(_TEXT * 40).input_ids
+        starts = rng.integers(0, len(corpus) - 1024, num_prompts)
+        prompts = [corpus[s : s + n] for s, n in zip(starts, prompt_lens)]
+    else:
+        prompts = [rng.integers(1000, 40000, n).tolist() for n in prompt_lens]
+    return [Item(p, int(m)) for p, m in zip(prompts, output_lens)]
+
+
+def shared_prefix(num_prompts: int = 64, seed: int = 0, prefix_len: int = 512) -> list[Item]:
+    """Many requests behind one long system prompt: where prefix caching shows its worth."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(1000, 40000, prefix_len).tolist()
+    return [
+        Item(system + rng.integers(1000, 40000, int(rng.integers(16, 64))).tolist(), int(rng.integers(16, 64)))
+        for _ in range(num_prompts)
+    ]
+
+
+def load(name: str, num_prompts: int | None = None, seed: int = 0, tokenizer=None) -> list[Item]:
+    if name == "public":
+        return public()
+    if name == "sharegpt":
+        return sharegpt(num_prompts or 64, seed, tokenizer)
+    if name == "shared-prefix":
+        return shared_prefix(num_prompts or 64, seed)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(NAMES)}")
+
+
+_TEXT = (
+    "The harbour was quiet in the early morning, and the fishing boats rocked gently against "
+    "the pier while gulls circled overhead. Maria walked along the sea wall, counting the "
+    "lanterns that still burned from the night before, and thought about the letter in her "
+    "pocket. It had arrived three days earlier, written in her grandfather's careful hand, "
+    "and it asked a question she had not yet found the courage to answer. "
+)

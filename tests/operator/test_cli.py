@@ -1,0 +1,61 @@
+"""`shoal operator render | crd | run` wiring, and that importing the CLI stays light."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import yaml
+
+from shoal_op_helpers import ROOT
+
+
+def parse(*argv):
+    from shoal.operator import cli
+
+    parser = argparse.ArgumentParser(prog="shoal operator")
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_importing_the_cli_pulls_no_torch_runtime_or_kopf():
+    code = ("import sys, argparse; from shoal.operator import cli; cli.add_arguments(argparse.ArgumentParser()); "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('shoal.runtime', 'kopf'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_run_options():
+    a = parse("run", "-n", "a", "-n", "b", "--metrics-port", "9090")
+    assert a.namespaces == ["a", "b"] and a.metrics_port == 9090 and callable(a.func)
+    a = parse("run")
+    assert a.metrics_port == 8080 and a.liveness.endswith("/healthz") and a.namespaces == []
+
+
+def test_render_prints_every_object(capsys, tmp_path):
+    path = ROOT / "manifests" / "samples" / "llama-tp2-pp2-gpu.yaml"
+    args = parse("render", str(path))
+    assert args.func(args) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["PodDisruptionBudget", "PodMonitor", "Service", "Service", "ServiceMonitor",
+                     "StatefulSet", "StatefulSet"]
+    sts = [d for d in docs if d["kind"] == "StatefulSet"]
+    assert all(s["spec"]["replicas"] == 2 for s in sts)
+    assert sts[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    # defaults applied as the CRD would
+    args_ = sts[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args_[args_.index("--block-size") + 1] == "16"
+
+    empty = tmp_path / "x.yaml"
+    empty.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    args = parse("render", str(empty))
+    assert args.func(args) == 1
+
+
+def test_crd_command_matches_the_file(capsys):
+    args = parse("crd")
+    assert args.func(args) == 0
+    assert capsys.readouterr().out == (ROOT / "crds" / "shoal.dev_inferencedeployments.yaml").read_text()

@@ -1,0 +1,191 @@
+"""The controller's reconcile against an in-memory API (FakeKube plays the API server,
+the StatefulSet controller and the garbage collector): group restarts, autoscaling
+through the timer path, status, metrics."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from shoal.operator import controller as ctl
+from shoal.operator import metrics, render
+from shoal_op_helpers import FakeKube, make_body
+
+METRICS = """# TYPE shoal_num_requests_running gauge
+shoal_num_requests_running{model_name="m"} %d
+# TYPE shoal_num_requests_waiting gauge
+shoal_num_requests_waiting{model_name="m"} %d
+shoal_num_requests_waiting{model_name="other"} 1
+"""
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1_000_000.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def world():
+    kube = FakeKube()
+    clock = Clock()
+    events = []
+    depth = {"running": 0, "waiting": 0}
+    c = ctl.Controller(kube, events=lambda b, t, r, m: events.append((t, r, m)), clock=clock,
+                       fetch=lambda url: METRICS % (depth["running"], depth["waiting"]))
+    return kube, c, clock, events, depth
+
+
+def idf(kube, **spec):
+    body = make_body(**spec)
+    body["metadata"]["generation"] = 1
+    kube.put(body)
+    return body
+
+
+def status(kube):
+    return kube.objects[("InferenceDeployment", "default", "demo")]["status"]
+
+
+def test_queue_depth_sums_running_and_waiting():
+    assert ctl.queue_depth(METRICS % (3, 4)) == 8
+    assert ctl.metrics_url({"status": {"podIP": "10.1.2.3"}, "spec": {"containers": [
+        {"ports": [{"name": "http", "containerPort": 8000}]}]}}) == "http://10.1.2.3:8000/metrics"
+    assert ctl.metrics_url({"status": {}}) is None
+
+
+def test_reconcile_creates_groups_and_reports_status(world):
+    kube, c, clock, events, _ = world
+    idf(kube, replicas=2, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    assert len(kube.of_kind("StatefulSet")) == 2
+    st = status(kube)
+    assert st["readyReplicas"] == 0 and st["replicas"] == 2
+    avail = next(x for x in st["conditions"] if x["type"] == "Available")
+    assert avail["status"] == "False" and avail["reason"] == "MinimumGroupsUnavailable"
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    st = status(kube)
+    assert st["readyReplicas"] == 2 and st["observedGeneration"] == 1
+    assert {x["type"]: x["status"] for x in st["conditions"]} == \
+        {"Available": "True", "Progressing": "False", "Degraded": "False"}
+    roles = {p["metadata"]["name"]: p["metadata"]["labels"].get("shoal.dev/role") for p in kube.of_kind("Pod").values()}
+    assert sorted(roles.values()) == ["leader", "leader", "worker", "worker"]
+    assert [r for _, r, _ in events].count("GroupCreated") == 2
+
+
+def test_unchanged_children_are_not_rewritten(world):
+    kube, c, *_ = world
+    idf(kube)
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    kube.calls.clear()
+    c.trigger("default", "demo", scrape=True)
+    c.trigger("default", "demo")
+    writes = [x for x in kube.calls if x[0] in ("apply", "patch", "delete")]
+    assert writes == [], writes
+
+
+def test_a_failed_pod_restarts_its_whole_group(world):
+    kube, c, clock, events, _ = world
+    idf(kube, parallelism={"pipeline": 3})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    (group,) = kube.of_kind("StatefulSet")
+    kube.objects[("Pod", "default", f"{group}-2")]["status"]["containerStatuses"][0]["restartCount"] = 1
+    c.trigger("default", "demo")
+    assert [p for p in kube.of_kind("Pod")] == []         # every pod of the group went, not just the failed one
+    st = status(kube)
+    deg = next(x for x in st["conditions"] if x["type"] == "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "GroupFailing"
+    assert st["groups"][0]["restarts"] == 1
+    assert ("Warning", "GroupRestarted") in [(t, r) for t, r, _ in events]
+    kube.run_statefulsets()                                # the StatefulSet recreates them together
+    clock.t += 5
+    c.trigger("default", "demo")
+    assert next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"] == "False"
+    assert status(kube)["groups"][0]["restarts"] == 1
+
+
+def test_autoscaling_on_the_timer_path(world):
+    kube, c, clock, events, depth = world
+    idf(kube, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 10,
+                           "scaleDownStabilizationSeconds": 60})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    depth.update(running=20, waiting=9)                   # 20 + 9 + 1 = 30 on one group, target 10
+    c.trigger("default", "demo", scrape=True)
+    st = status(kube)
+    assert st["desiredReplicas"] == 3 and st["queueDepth"] == 30
+    assert kube.objects[("InferenceDeployment", "default", "demo")]["spec"].get("replicas") is None  # spec untouched
+    assert len(kube.of_kind("StatefulSet")) == 3           # a scale-up creates its groups at once
+    kube.run_statefulsets()
+    depth.update(running=0, waiting=0)                     # idle: total 1 per leader -> ceil(3/10) = 1
+    for _ in range(3):
+        clock.t += 15
+        c.trigger("default", "demo", scrape=True)
+        assert status(kube)["desiredReplicas"] == 3        # within the 60 s window
+    clock.t += 60
+    c.trigger("default", "demo", scrape=True)
+    assert status(kube)["desiredReplicas"] == 1
+    assert len(kube.of_kind("StatefulSet")) == 1
+    assert [r for _, r, _ in events].count("ScaledUp") == 1 and [r for _, r, _ in events].count("ScaledDown") == 1
+    text = generate_latest(metrics.REGISTRY).decode()
+    assert 'shoal_operator_autoscaler_decisions_total{direction="up",name="demo",namespace="default"}' in text
+    assert 'shoal_operator_desired_groups{name="demo",namespace="default"} 1.0' in text
+
+
+def test_scale_down_removes_the_least_loaded_group(world):
+    kube, c, clock, _, depth = world
+    idf(kube, replicas=3)
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    loads = {}
+    names = sorted(kube.of_kind("StatefulSet"))
+    for i, n in enumerate(names):
+        kube.objects[("Pod", "default", f"{n}-0")]["status"]["podIP"] = f"10.0.0.{i}"
+        loads[f"10.0.0.{i}"] = [7, 1, 4][i]
+    c.fetch = lambda url: METRICS % (loads[url.split("//")[1].split(":")[0]], 0)
+    c.trigger("default", "demo", scrape=True)
+    body = kube.objects[("InferenceDeployment", "default", "demo")]
+    body["spec"]["replicas"] = 2                            # kubectl scale
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("StatefulSet")) == [names[0], names[2]]
+
+
+def test_monitors_follow_the_spec(world):
+    kube, c, *_ = world
+    idf(kube, monitoring={"serviceMonitor": True})
+    c.trigger("default", "demo", scrape=True)
+    assert {"ServiceMonitor", "PodMonitor"} <= {k for k, _, _ in kube.objects}
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["monitoring"]["serviceMonitor"] = False
+    c.trigger("default", "demo", scrape=True)
+    assert not {"ServiceMonitor", "PodMonitor"} & {k for k, _, _ in kube.objects}
+
+
+def test_reconcile_errors_are_reported_and_counted(world):
+    kube, c, *_ = world
+    idf(kube)
+
+    def broken(obj):
+        raise RuntimeError("no room")
+    kube.apply = broken
+    before = metrics.RECONCILE_ERRORS._value.get()
+    with pytest.raises(RuntimeError):
+        c.trigger("default", "demo")
+    assert metrics.RECONCILE_ERRORS._value.get() == before + 1
+    deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
+    assert deg["reason"] == "ReconcileError" and "no room" in deg["message"]
+
+
+def test_missing_or_deleting_resource_is_a_no_op(world):
+    kube, c, *_ = world
+    assert c.reconcile("default", "nope") is None
+    body = idf(kube)
+    body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert c.reconcile("default", "demo") is None
+    assert kube.of_kind("StatefulSet") == {}

@@ -1,0 +1,174 @@
+"""The CRD: a valid apiextensions/v1 object with a structural schema; samples pass it, bad resources fail.
+
+The API server's schema validation is reproduced with `jsonschema` after converting the
+structural schema (unknown fields rejected, as `kubectl apply --validate=strict` does).
+The CEL `x-kubernetes-validations` rules are evaluated by the test itself, with the
+cel-python interpreter running the very rule strings the CRD carries (the API server is
+not here to run them).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from shoal.operator import cli, crd, defaults
+from shoal_op_helpers import ROOT, make_body
+
+celpy = pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules")
+
+CRD_FILE = ROOT / "crds" / "shoal.dev_inferencedeployments.yaml"
+
+
+def to_jsonschema(s: dict) -> dict:
+    """Structural OpenAPI v3 -> JSON Schema: drop x-kubernetes-* keys, reject unknown fields."""
+    out = {}
+    for k, v in s.items():
+        if k.startswith("x-kubernetes-"):
+            continue
+        if k == "properties":
+            out[k] = {name: to_jsonschema(sub) for name, sub in v.items()}
+        elif k in ("items", "additionalProperties") and isinstance(v, dict):
+            out[k] = to_jsonschema(v)
+        elif k == "anyOf":
+            out[k] = [to_jsonschema(x) for x in v]
+        else:
+            out[k] = v
+    if s.get("type") == "object" and "properties" in s and not s.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    if s.get("x-kubernetes-int-or-string"):
+        out.pop("pattern", None)  # the pattern applies to the string form only
+        out["anyOf"] = [{"type": "integer"}, {"type": "string", "pattern": s.get("pattern", ".*")}]
+    return out
+
+
+def cel_rules(schema: dict, path: tuple = ()):
+    """Yield (path, rule) for every x-kubernetes-validations entry."""
+    for rule in schema.get("x-kubernetes-validations", []):
+        yield path, rule
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from cel_rules(sub, path + (name,))
+
+
+def cel_errors(obj: dict, schema: dict) -> list[str]:
+    env = celpy.Environment()
+    errors = []
+    for path, rule in cel_rules(schema):
+        node = obj
+        for p in path:
+            if not isinstance(node, dict) or p not in node:
+                node = None
+                break
+            node = node[p]
+        if node is None:
+            continue  # rules apply only where the field is present
+        program = env.program(env.compile(rule["rule"]))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(node)})):
+            errors.append(rule["message"])
+    return errors
+
+
+def validate_resource(obj: dict) -> None:
+    """What the API server does on create: default, check the schema, run the CEL rules."""
+    schema = crd.openapi_schema()
+    defaulted = defaults.apply_defaults(obj, schema)
+    jsonschema.validate(defaulted, to_jsonschema(schema))
+    errors = cel_errors(defaulted, schema)
+    if errors:
+        raise jsonschema.ValidationError("; ".join(errors))
+
+
+def test_crd_file_is_generated_from_the_code():
+    assert CRD_FILE.read_text() == cli.crd_yaml(), "regenerate: shoal operator crd > " + str(CRD_FILE)
+
+
+def test_crd_validates_as_apiextensions_v1():
+    obj = yaml.safe_load(CRD_FILE.read_text())
+    kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    v = obj["spec"]["versions"][0]
+    assert obj["spec"]["names"]["shortNames"] == ["infd"]
+    assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                          "statusReplicasPath": ".status.replicas",
+                                          "labelSelectorPath": ".status.selector"}
+    assert v["subresources"]["status"] == {}
+    cols = {c["name"] for c in v["additionalPrinterColumns"]}
+    assert {"Model", "Replicas", "Ready", "Queue", "Age"} <= cols
+
+
+def _structural(s: dict, path: str = "") -> None:
+    if s.get("x-kubernetes-int-or-string"):
+        assert [x["type"] for x in s["anyOf"]] == ["integer", "string"], path
+        return
+    assert "type" in s, f"no type at {path or '/'}"
+    for name, sub in (s.get("properties") or {}).items():
+        _structural(sub, f"{path}.{name}")
+    if isinstance(s.get("items"), dict):
+        _structural(s["items"], f"{path}[]")
+    if isinstance(s.get("additionalProperties"), dict):
+        _structural(s["additionalProperties"], f"{path}{{}}")
+    if "default" in s:  # defaults must themselves be valid
+        jsonschema.validate(defaults.apply_defaults(copy.deepcopy(s["default"]), s), to_jsonschema(s))
+
+
+def test_schema_is_structural_with_defaults_and_bounds():
+    schema = crd.openapi_schema()
+    _structural(schema)
+    spec = schema["properties"]["spec"]["properties"]
+    assert spec["parallelism"]["properties"]["tensor"]["minimum"] == 1
+    assert spec["parallelism"]["properties"]["pipeline"]["minimum"] == 1
+    assert {r["rule"] for _, r in cel_rules(schema)} >= {"self.minReplicas <= self.maxReplicas"}
+
+
+def test_samples_validate(sample):
+    validate_resource(sample)
+
+
+def test_minimal_resource_gets_the_documented_defaults():
+    d = defaults.apply_defaults(make_body())["spec"]
+    assert d["replicas"] == 1
+    assert d["parallelism"] == {"tensor": 1, "pipeline": 1}
+    assert d["engine"]["maxNumSeqs"] == 256 and d["engine"]["schedulingPolicy"] == "fcfs"
+    assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["blockSize"] == 16
+    assert d["autoscaling"]["targetQueueDepth"] == 32 and d["autoscaling"]["scaleDownStabilizationSeconds"] == 300
+    assert d["rollout"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert d["model"]["revision"] == "main"
+    validate_resource(make_body())
+
+
+BAD = {
+    "pipeline 0": {"parallelism": {"pipeline": 0}},
+    "tensor 0": {"parallelism": {"tensor": 0}},
+    "min > max": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
+    "unknown scheme": {"model": {"source": "s3://bucket/model"}},
+    "no scheme": {"model": {"source": "/models/x"}},
+    "hf without name": {"model": {"source": "hf://org"}},
+    "surge and unavailable 0": {"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+    "negative replicas": {"replicas": -1},
+    "unknown field": {"replicaz": 3},
+    "bad policy": {"engine": {"schedulingPolicy": "lifo"}},
+    "batch < seqs": {"engine": {"maxNumSeqs": 4096, "maxNumBatchedTokens": 1024}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_resources_fail(case):
+    with pytest.raises(jsonschema.ValidationError):
+        validate_resource(make_body(**BAD[case]))
+
+
+def test_too_long_a_name_fails():
+    with pytest.raises(jsonschema.ValidationError):
+        validate_resource(make_body(name="x" * (crd.MAX_NAME_LENGTH + 1)))
+    validate_resource(make_body(name="x" * crd.MAX_NAME_LENGTH))
+
+
+@pytest.mark.parametrize("source", ["builtin://smollm2-135m-instruct", "hf://meta-llama/Llama-3.1-8B",
+                                    "pvc://models", "pvc://models/llama/8b", "file:///opt/m"])
+def test_known_sources_pass(source):
+    assert re.match(crd.SOURCE_PATTERN, source)
+    validate_resource(make_body(model={"source": source}))

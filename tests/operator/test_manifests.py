@@ -1,0 +1,72 @@
+"""manifests/: the kustomization builds (with the CRD), every object validates (Kubernetes 1.30,
+strict), and the ClusterRole grants what the controller does, for every kind it renders."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from shoal.operator import render
+from shoal_op_helpers import ROOT, make_body
+
+MANIFESTS = ROOT / "manifests"
+
+
+def built() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (for `kubectl kustomize`) is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(MANIFESTS)], check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_kustomization_installs_crd_and_operator():
+    objs = built()
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    assert ("CustomResourceDefinition", "inferencedeployments.shoal.dev") in kinds
+    for kind in ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"):
+        assert any(k == kind for k, _ in kinds), kind
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["shoal"] and c["args"][:2] == ["operator", "run"]
+    assert "--metrics-port=8080" in c["args"]
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "shoal-operator"
+
+
+def test_operator_servicemonitor():
+    (sm,) = [d for d in yaml.safe_load_all((MANIFESTS / "operator-servicemonitor" / "servicemonitor.yaml").read_text())]
+    svc = yaml.safe_load((MANIFESTS / "operator" / "service.yaml").read_text())
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+
+
+def allowed(rules, group, resource, verb) -> bool:
+    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
+
+
+def test_cluster_role_is_enough_and_least():
+    rules = yaml.safe_load((MANIFESTS / "operator" / "clusterrole.yaml").read_text())["rules"]
+    plurals = {"StatefulSet": "statefulsets", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
+               "ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors"}
+    for obj in render.render_all(make_body(monitoring={"serviceMonitor": True})):
+        group = obj["apiVersion"].rpartition("/")[0]
+        for verb in ("get", "create", "patch"):  # server-side apply of a new object needs create
+            assert allowed(rules, group, plurals[obj["kind"]], verb), (obj["kind"], verb)
+    for group, resource, verb in [("shoal.dev", "inferencedeployments", "watch"),
+                                  ("shoal.dev", "inferencedeployments/status", "patch"),
+                                  ("shoal.dev", "inferencedeployments/finalizers", "update"),
+                                  ("apps", "statefulsets", "delete"), ("", "pods", "delete"), ("", "pods", "patch"),
+                                  ("", "pods", "watch"), ("", "events", "create")]:
+        assert allowed(rules, group, resource, verb), (group, resource, verb)
+    # least privilege: no wildcards, no secrets, nothing cluster-admin-like
+    for r in rules:
+        assert "*" not in r["verbs"] and "*" not in r["resources"] and "*" not in r["apiGroups"]
+        assert "secrets" not in r["resources"]
+        assert not {"escalate", "bind", "impersonate"} & set(r["verbs"])

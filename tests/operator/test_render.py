@@ -1,0 +1,201 @@
+"""Render: every object validates against Kubernetes 1.30 (kubernetes-validate, strict); group shape."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from shoal.operator import defaults, render
+from shoal_op_helpers import make_body
+
+K8S_VERSION = "1.30.0"  # kubernetes-validate 1.37 ships 1.28 .. 1.37 schemas; 1.30 is the issue's target
+
+
+def validate_k8s(obj):
+    if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+        validate_monitor(obj)
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def validate_monitor(obj):
+    """prometheus-operator schemas are not in kubernetes-validate: check the shape we rely on, by hand."""
+    assert obj["kind"] in ("ServiceMonitor", "PodMonitor")
+    spec = obj["spec"]
+    assert spec["selector"]["matchLabels"]
+    endpoints = spec["endpoints"] if obj["kind"] == "ServiceMonitor" else spec["podMetricsEndpoints"]
+    for ep in endpoints:
+        assert set(ep) <= {"port", "path", "interval", "relabelings"}
+        for r in ep["relabelings"]:
+            assert set(r) == {"sourceLabels", "targetLabel"}
+
+
+SPECS = {
+    "cpu": {},
+    "gpu-tp2-pp2": {"replicas": 3, "parallelism": {"tensor": 2, "pipeline": 2},
+                    "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "32Gi"}, "requests": {"cpu": "4"}},
+                    "monitoring": {"serviceMonitor": True}},
+    "hf": {"model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "v1",
+                     "tokenSecret": {"name": "hf"}}, "parallelism": {"pipeline": 3}},
+    "pvc": {"model": {"source": "pvc://models/llama/8b"}, "podTemplate": {
+        "nodeSelector": {"pool": "gpu"}, "env": [{"name": "X", "value": "1"}, {"name": "SHOAL_GROUP", "value": "no"}],
+        "tolerations": [{"key": "gpu", "operator": "Exists"}], "metadata": {"labels": {"team": "a"}}}},
+    "file": {"model": {"source": "file:///opt/models/tiny"}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_every_rendered_object_validates_strict(case):
+    objs = render.render_all(make_body(**SPECS[case]))
+    assert objs
+    for obj in objs:
+        validate_k8s(obj)
+
+
+def test_samples_render_and_validate(sample):
+    sample["metadata"]["uid"] = "0000"
+    for obj in render.render_all(sample):
+        validate_k8s(obj)
+
+
+def test_a_broken_object_fails_validation():
+    sts = render.render_all(make_body())[-1]
+    sts["spec"]["template"]["spec"]["containers"][0]["bogus"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("replicas,tensor,pipeline", [(1, 1, 1), (2, 1, 3), (3, 2, 2), (2, 4, 1)])
+def test_group_shape(replicas, tensor, pipeline):
+    body = make_body(name="m", namespace="ns", replicas=replicas, parallelism={"tensor": tensor, "pipeline": pipeline},
+                     resources={"limits": {"nvidia.com/gpu": 1}})
+    objs = render.render_all(body)
+    stss = [o for o in objs if o["kind"] == "StatefulSet"]
+    assert len(stss) == replicas
+    rev = render.revision_hash(defaults.apply_defaults(body))
+    assert sorted(s["metadata"]["name"] for s in stss) == [f"m-{rev}-{i}" for i in range(replicas)]
+    for sts in stss:
+        group = sts["metadata"]["name"]
+        spec = sts["spec"]
+        assert spec["replicas"] == pipeline and spec["podManagementPolicy"] == "Parallel"
+        assert spec["serviceName"] == "m-headless"
+        pod = spec["template"]
+        assert pod["metadata"]["labels"][render.L_GROUP] == group
+        assert pod["metadata"]["labels"][render.L_REVISION] == rev
+        c = pod["spec"]["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["SHOAL_GROUP"]["value"] == group
+        assert env["SHOAL_PIPELINE_SIZE"]["value"] == str(pipeline)
+        assert env["SHOAL_TENSOR_SIZE"]["value"] == str(tensor)
+        assert env["SHOAL_LEADER_ADDR"]["value"] == f"{group}-0.m-headless.ns.svc.cluster.local"
+        assert env["SHOAL_DIST_PORT"]["value"] == str(render.DIST_PORT)
+        # the rank is the pod index (pod `<group>-k` has rank k), via the downward API
+        assert env["SHOAL_PIPELINE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['apps.kubernetes.io/pod-index']"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tensor
+        args = c["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == str(tensor)
+        assert args[args.index("--pipeline-parallel-size") + 1] == str(pipeline)
+        inits = [i["name"] for i in pod["spec"].get("initContainers", [])]
+        assert ("wait-for-leader" in inits) == (pipeline > 1)
+        shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{2 * tensor}Gi"}
+
+
+def test_no_gpus_unless_asked():
+    c = render.render_all(make_body(parallelism={"tensor": 2}))[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert "limits" not in c["resources"] or "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert c["image"] == defaults.DEFAULT_IMAGE
+    gpu = render.render_all(make_body(resources={"limits": {"nvidia.com/gpu": 1}}))[-1]
+    assert gpu["spec"]["template"]["spec"]["containers"][0]["image"] == defaults.DEFAULT_GPU_IMAGE
+
+
+def test_serve_args_match_the_runtime_contract(defaulted):
+    body = defaulted(engine={"enablePrefixCaching": False, "schedulingPolicy": "priority", "drainTimeoutSeconds": 45})
+    args = render.serve_args(body, "builtin://smollm2-135m-instruct")
+    assert args[:2] == ["serve", "builtin://smollm2-135m-instruct"]
+    for flag in ("--host", "--port", "--served-model-name", "--tensor-parallel-size", "--pipeline-parallel-size",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--block-size",
+                 "--scheduling-policy", "--drain-timeout"):
+        assert flag in args
+    assert "--no-enable-prefix-caching" in args and args[args.index("--drain-timeout") + 1] == "45"
+    assert args[args.index("--served-model-name") + 1] == "demo"
+    pod = render.pod_template(body, "g")
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= 45 + render.PRESTOP_SLEEP_SECONDS
+
+
+def test_probes_security_and_leader_services(defaulted):
+    body = defaulted()
+    pod = render.pod_template(body, "g")
+    c = pod["spec"]["containers"][0]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    traffic = render.traffic_service(body)
+    assert traffic["spec"]["selector"] == {"shoal.dev/deployment": "demo", "apps.kubernetes.io/pod-index": "0"}
+    assert render.selector("demo") == "shoal.dev/deployment=demo,apps.kubernetes.io/pod-index=0"
+    headless = render.headless_service(body)
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_model_sources(defaulted):
+    plan = render.model_plan(defaulted(model={"source": "pvc://claim/sub/dir"})["spec"])
+    assert plan["arg"] == "/models/sub/dir"
+    assert plan["volumes"][0]["persistentVolumeClaim"] == {"claimName": "claim", "readOnly": True}
+    assert plan["mounts"][0]["readOnly"] is True
+    hf = render.model_plan(defaulted(model={"source": "hf://org/name", "tokenSecret": {"name": "s"}})["spec"])
+    assert hf["arg"] == "/models/org/name" and hf["init"][0]["name"] == "fetch-model"
+    env = {e["name"]: e for e in hf["init"][0]["env"]}
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "s", "key": "token"}
+    assert env["SHOAL_MODEL_REVISION"]["value"] == "main"
+    assert render.model_plan(defaulted(model={"source": "file:///m/x"})["spec"])["arg"] == "/m/x"
+    assert render.model_plan(defaulted()["spec"])["arg"] == "builtin://smollm2-135m-instruct"
+
+
+def test_owner_references_on_everything():
+    for obj in render.render_all(make_body(monitoring={"serviceMonitor": True})):
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == "uid-1" and ref["controller"] is True and ref["kind"] == "InferenceDeployment"
+        for key in ("shoal.dev/deployment", "app.kubernetes.io/name", "app.kubernetes.io/instance"):
+            assert key in obj["metadata"]["labels"]
+    assert "ownerReferences" not in render.render_all(make_body(uid=None))[0]["metadata"]
+
+
+def test_monitoring_modes():
+    plain = render.render_all(make_body())
+    assert not [o for o in plain if o["apiVersion"].startswith("monitoring")]
+    ann = plain[-1]["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
+    assert ann["prometheus.io/path"] == "/metrics"
+    mon = render.render_all(make_body(monitoring={"serviceMonitor": True, "labels": {"release": "prom"}}))
+    kinds = {o["kind"]: o for o in mon}
+    assert "prometheus.io/scrape" not in kinds["StatefulSet"]["spec"]["template"]["metadata"]["annotations"]
+    sm, pm = kinds["ServiceMonitor"], kinds["PodMonitor"]
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["selector"]["matchLabels"] == {"shoal.dev/deployment": "demo", "shoal.dev/service": "traffic"}
+    assert pm["spec"]["selector"]["matchLabels"] == {"shoal.dev/deployment": "demo"}
+    for m, eps in ((sm, "endpoints"), (pm, "podMetricsEndpoints")):
+        targets = {r["targetLabel"]: r["sourceLabels"] for r in m["spec"][eps][0]["relabelings"]}
+        assert targets["inference_deployment"] == ["__meta_kubernetes_pod_label_shoal_dev_deployment"]
+        assert targets["group"] == ["__meta_kubernetes_pod_label_shoal_dev_group"]
+
+
+def test_revision_hash_covers_pod_fields_only(defaulted):
+    base = render.revision_hash(defaulted())
+    assert render.revision_hash(defaulted(replicas=5)) == base
+    assert render.revision_hash(defaulted(autoscaling={"enabled": True, "maxReplicas": 3})) == base
+    assert render.revision_hash(defaulted(rollout={"maxSurge": 3})) == base
+    for change in ({"model": {"source": "builtin://smollm2-135m-instruct", "revision": "v2"}},
+                   {"engine": {"maxNumSeqs": 8}}, {"image": "x:1"}, {"parallelism": {"tensor": 2}},
+                   {"podTemplate": {"nodeSelector": {"a": "b"}}}):
+        assert render.revision_hash(defaulted(**change)) != base, change
+    assert len(base) == 8
+
+
+def test_reserved_env_is_not_overridable(defaulted):
+    body = defaulted(podTemplate={"env": [{"name": "SHOAL_GROUP", "value": "evil"}, {"name": "A", "value": "1"}]})
+    env = render.pod_template(body, "g")["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "SHOAL_GROUP"] == ["g"]
+    assert {"name": "A", "value": "1"} in env

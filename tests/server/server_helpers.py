@@ -1,0 +1,122 @@
+"""Start and talk to real `shoal serve` subprocesses (imported by conftest.py and the tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+# Small enough to start fast and fit beside other work; large enough for 200 clients.
+MAIN_ARGS = ["--max-num-seqs", "256", "--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--max-waiting", "512"]
+STARTUP_TIMEOUT = float(os.environ.get("SHOAL_TEST_STARTUP_TIMEOUT", "600"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_LAUNCH_SERVE_ONLY = (
+    "import argparse, sys\n"
+    "from shoal.runtime.entrypoints import serve_args\n"
+    "p = argparse.ArgumentParser(prog='shoal serve')\n"
+    "serve_args.add_arguments(p)\n"
+    "a = p.parse_args(sys.argv[1:])\n"
+    "sys.exit(int(a.func(a) or 0))\n"
+)
+
+
+def _command(args: list[str]) -> list[str]:
+    """`shoal serve ARGS` through the top-level CLI (`python -m shoal.runtime.cli`, what the
+    console script runs). While the CLI cannot import yet (a sibling subcommand missing), the
+    same `serve` subcommand parser is driven directly."""
+    import importlib.util
+
+    if importlib.util.find_spec("shoal.runtime.bench_args") is not None:
+        return [sys.executable, "-m", "shoal.runtime.cli", "serve", *args]
+    return [sys.executable, "-c", _LAUNCH_SERVE_ONLY, *args]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+    saw_unready_while_alive: bool = False
+    startup_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(extra_args: list[str] = (), env: dict | None = None, wait_ready: bool = True) -> Server:
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="shoal-serve-", suffix=".log")[1])
+    full_env = dict(os.environ, SHOAL_ACCESS_LOG="0", PYTHONUNBUFFERED="1")
+    full_env.pop("SHOAL_API_KEY", None)
+    full_env.update(env or {})
+    args = ["--host", "127.0.0.1", "--port", str(port), *MAIN_ARGS, *extra_args]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(_command(args), stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    server = Server(proc, f"http://127.0.0.1:{port}", log)
+    if wait_ready:
+        wait_until_ready(server)
+    return server
+
+
+def wait_until_ready(server: Server, timeout: float = STARTUP_TIMEOUT) -> None:
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    with httpx.Client(timeout=5) as c:
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"shoal serve exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
+            try:
+                ready = c.get(server.base_url + "/ready")
+                if ready.status_code == 200:
+                    server.startup_s = time.monotonic() - t0
+                    return
+                if ready.status_code == 503 and c.get(server.base_url + "/health").status_code == 200:
+                    server.saw_unready_while_alive = True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"shoal serve not ready after {timeout:.0f}s:\n{server.log()[-4000:]}")
+
+
+def metrics_text(base_url: str) -> str:
+    return httpx.get(base_url + "/metrics", timeout=30).text
+
+
+def metric(base_url: str, name: str, **labels) -> float | None:
+    from shoal.runtime.metrics import metric_value
+
+    return metric_value(metrics_text(base_url), name, **labels)
