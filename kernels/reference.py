@@ -1,7 +1,10 @@
 """Plain-torch references of every kernel: readable, batched, and what CPU inference runs.
 
 Shapes (T new tokens in a step, B sequences, h query heads, kvh KV heads, d head size):
-  k_cache, v_cache   [num_blocks, block_size, kvh, d]   one pair per layer
+  k_cache, v_cache   [num_blocks, block_size, kvh, d]   one pair per layer; any strides with
+                     (num_blocks, block_size) mergeable. The engine stores them physically as
+                     [kvh, num_blocks, block_size, d] (a permuted view), so that gathering a
+                     batch's blocks yields each KV head's keys contiguous, ready for bmm.
   block_tables       [B, max_blocks] int64, padded with any valid block id (masked by lengths)
   context_lens       [B] int64: tokens in the cache for each sequence, new ones included
   slot_mapping       [T] int64: block_id * block_size + offset of each new token
@@ -22,24 +25,26 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _gather(cache, block_tables):
-    """[num_blocks, bs, kvh, d] by [B, nb] -> [B, kvh, nb*bs, d] (the layout matmul wants)."""
+    """[num_blocks, bs, kvh, d] by [B, nb] -> [kvh, B, nb*bs, d], contiguous."""
     B, nb = block_tables.shape
     _, bs, kvh, d = cache.shape
-    return cache[block_tables].view(B, nb * bs, kvh, d).transpose(1, 2)
+    return cache.permute(2, 0, 1, 3).index_select(1, block_tables.reshape(-1)).view(kvh, B, nb * bs, d)
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float):
     """One query token per sequence: q [B, h, d] -> [B, h, d]."""
     B, h, d = q.shape
     kvh = k_cache.shape[2]
-    k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
-    v = _gather(v_cache, block_tables)
-    L = k.shape[2]
-    qg = q.view(B, kvh, h // kvh, d)  # grouped-query: g query heads share one KV head
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, kvh, g, L]
+    g = h // kvh  # grouped-query: g query heads share one KV head
+    k = _gather(k_cache, block_tables).view(kvh * B, -1, d)
+    v = _gather(v_cache, block_tables).view(kvh * B, -1, d)
+    L = k.shape[1]
+    qh = q.view(B, kvh, g, d).transpose(0, 1).reshape(kvh * B, g, d)
+    scores = torch.bmm(qh, k.transpose(1, 2)).mul_(scale)  # [kvh*B, g, L]
     pad = torch.arange(L, device=q.device)[None, :] >= context_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    return torch.matmul(scores.softmax(-1), v).view(B, h, d)
+    scores.view(kvh, B, g, L).masked_fill_(pad[None, :, None, :], float("-inf"))
+    out = torch.bmm(scores.softmax(-1), v)  # [kvh*B, g, d]
+    return out.view(kvh, B, g, d).transpose(0, 1).reshape(B, h, d)
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
@@ -55,8 +60,8 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, 
     steps = torch.arange(max_q, device=dev)
     rows = (query_start_loc[:-1, None] + steps).clamp_(max=Tq - 1)  # [B, max_q]
     valid = steps[None, :] < q_lens[:, None]
-    k = _gather(k_cache, block_tables)  # [B, kvh, L, d]
-    v = _gather(v_cache, block_tables)
+    k = _gather(k_cache, block_tables).transpose(0, 1)  # [B, kvh, L, d]
+    v = _gather(v_cache, block_tables).transpose(0, 1)
     L = k.shape[2]
     pos = (context_lens - q_lens)[:, None] + steps  # absolute position of each query
     visible = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]  # [B, max_q, L]
@@ -80,16 +85,17 @@ def rotary_embedding(positions, q, k, cos_sin_cache, is_neox: bool = True):
 
     cos_sin_cache [max_pos, d] holds cos in its first half and sin in its second (scaling,
     e.g. llama3 or YaRN, is already folded into the cache). neox rotates the two halves of
-    each head; GPT-J rotates interleaved pairs.
+    each head; GPT-J rotates interleaved pairs. The results keep q's and k's dtypes (a float32
+    cache with a half-precision model computes in float32, then rounds once).
     """
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, d/2] each
 
     def rotate(x):
         if is_neox:
             x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
     return rotate(q), rotate(k)
 

@@ -3,7 +3,7 @@
     shoal bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4
     shoal bench serve --max-concurrency 16 --json out.json
     shoal bench serve --sweep 0.5,1,2,4 --plot latency.png
-    shoal bench serve --compare-offline [ENGINE FLAGS]   # HTTP overhead vs the offline LLM
+    shoal bench serve --compare-offline --workload public --engine-args '--max-num-seqs 64'   # HTTP overhead
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once) or are held at
 --max-concurrency in flight. Lengths are ShareGPT-like: prompt and output lengths drawn
@@ -246,6 +246,17 @@ def _wait_ready(base_url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"shoal serve not ready after {timeout:.0f}s")
 
 
+# `shoal serve ARGS`, through the serve subcommand's own parser (independent of the other subcommands).
+_SERVE = (
+    "import argparse, sys\n"
+    "from shoal.runtime.entrypoints import serve_args\n"
+    "p = argparse.ArgumentParser(prog='shoal serve')\n"
+    "serve_args.add_arguments(p)\n"
+    "a = p.parse_args(sys.argv[1:])\n"
+    "sys.exit(int(a.func(a) or 0))\n"
+)
+
+
 def offline_throughput(items: list[Item], engine_kwargs: dict) -> dict:
     from shoal import LLM, SamplingParams
 
@@ -268,7 +279,7 @@ def http_overhead(items: list[Item], engine_args: list[str], engine_kwargs: dict
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, SHOAL_ACCESS_LOG="0")
-    cmd = [sys.executable, "-m", "shoal.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--max-waiting", str(max(512, len(items))), *engine_args]
+    cmd = [sys.executable, "-c", _SERVE, "--host", "127.0.0.1", "--port", str(port), "--max-waiting", str(max(512, len(items))), *engine_args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(base, proc, startup_timeout)
@@ -303,7 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="PNG of latency against request rate (with --sweep)")
     parser.add_argument("--compare-offline", action="store_true", help="measure HTTP overhead: offline LLM vs a `shoal serve` subprocess")
-    parser.add_argument("engine_args", nargs=argparse.REMAINDER, help="with --compare-offline: engine flags for both (after --)")
+    parser.add_argument("--engine-args", default="", help="with --compare-offline: engine flags for both, one string (e.g. '--max-num-seqs 64')")
     parser.set_defaults(func=run)
 
 
@@ -331,7 +342,9 @@ def _engine_kwargs(engine_args: list[str]) -> dict:
 def run(args: argparse.Namespace) -> int:
     items = workload_from_args(args)
     if args.compare_offline:
-        engine_args = [a for a in (args.engine_args or []) if a != "--"]
+        import shlex
+
+        engine_args = shlex.split(args.engine_args or "")
         report = http_overhead(items, engine_args, _engine_kwargs(engine_args))
         if args.json_out:
             with open(args.json_out, "w") as f:

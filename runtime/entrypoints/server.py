@@ -407,6 +407,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         parts, param = [], None
         for err in exc.errors()[:5]:
+            if err.get("type") == "json_invalid":
+                return error_response(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})", "invalid_request_error")
+            if err.get("loc") in (("body",), ["body"]) and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
+                return error_response(400, "the request body must be a JSON object", "invalid_request_error")
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             if param is None and loc:
                 param = loc[0]

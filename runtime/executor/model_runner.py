@@ -107,9 +107,13 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
-        shape = (2, num_blocks, self.config.block_size, m.num_kv_heads, m.head_dim)
-        # zeros: calloc'd pages on CPU, so untouched memory is free and never NaN
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in m.layers]
+        # Stored [2, kvh, blocks, block_size, d], seen as [2, blocks, block_size, kvh, d]
+        # (kernels/reference.py: a gather then yields each head's keys contiguous).
+        # zeros: calloc'd pages on CPU, so untouched memory costs nothing and is never NaN.
+        shape = (2, m.num_kv_heads, num_blocks, self.config.block_size, m.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device).permute(0, 2, 3, 1, 4) for _ in m.layers
+        ]
 
     def copy_block(self, src: int, dst: int) -> None:
         for cache in self.kv_caches:

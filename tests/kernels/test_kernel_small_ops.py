@@ -123,3 +123,19 @@ def test_silu_and_mul(shape, dtype, block):
     torch.testing.assert_close(got.double(), naive.silu_and_mul(x), **TOL[dtype])
     if block == 1024:
         torch.testing.assert_close(activation.silu_and_mul(x), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_rotary_float32_cache_keeps_the_model_dtype(dtype):
+    """The engine keeps cos/sin in float32 for a half-precision model: q and k must stay in their
+    dtype (the cache write and attention need it), for both backends."""
+    cache = naive.rope_cache(32, 64)
+    positions = torch.tensor([3, 31, 0])
+    q, k = torch.randn(3, 4, 64).to(dtype), torch.randn(3, 2, 64).to(dtype)
+    got = rotary.rotary_embedding(positions, q, k, cache)
+    want = ref.rotary_embedding(positions, q, k, cache)
+    slow = naive.rotary_embedding(positions, q, k, cache)
+    for g, wv, s in zip(got, want, slow):
+        assert g.dtype == wv.dtype == dtype
+        torch.testing.assert_close(g.float(), wv.float(), **TOL[dtype])
+        torch.testing.assert_close(g.double(), s, **TOL[dtype])

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import os
-import pathlib
 
 # kopf registers timer intervals when shoal.operator.main is imported: keep them short here.
 os.environ.setdefault("SHOAL_OPERATOR_RESYNC_SECONDS", "0.5")
@@ -35,6 +33,3 @@ def defaulted():
         return defaults.apply_defaults(make_body(**spec))
     return _make
 
-
-def deep(d):
-    return copy.deepcopy(d)

@@ -59,3 +59,62 @@ def test_crd_command_matches_the_file(capsys):
     args = parse("crd")
     assert args.func(args) == 0
     assert capsys.readouterr().out == (ROOT / "crds" / "shoal.dev_inferencedeployments.yaml").read_text()
+
+
+def test_run_serves_metrics_and_liveness_and_stops_on_sigterm(tmp_path):
+    """`shoal operator run` for real, in a subprocess, against KMock (no handlers fire: no objects)."""
+    import asyncio
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    from kmock._internal import apps, k8s
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    mport, lport = free_port(), free_port()
+
+    async def scenario():
+        async with k8s.KubernetesEmulator() as km, apps.Server(km):
+            for res, kind, namespaced in [("shoal.dev/v1alpha1/inferencedeployments", "InferenceDeployment", True),
+                                          ("apps/v1/statefulsets", "StatefulSet", True)]:
+                km.resources[res] = km.ResourceInfo(kind=kind, namespaced=namespaced,
+                                                    verbs={"list", "watch", "get", "patch"})
+            kc = tmp_path / "kubeconfig"
+            kc.write_text(yaml.safe_dump({
+                "apiVersion": "v1", "kind": "Config", "current-context": "k",
+                "clusters": [{"name": "k", "cluster": {"server": str(km.url).rstrip("/")}}],
+                "users": [{"name": "k", "user": {"token": "t"}}],
+                "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}]}))
+            env = dict(os.environ, KUBECONFIG=str(kc), SHOAL_OPERATOR_SCANNING="0")
+            code = ("import sys, argparse; from shoal.operator import cli; p = argparse.ArgumentParser(); "
+                    "cli.add_arguments(p); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+            proc = subprocess.Popen([sys.executable, "-c", code, "run", "-n", "default", "--metrics-port", str(mport),
+                                     "--liveness", f"http://127.0.0.1:{lport}/healthz"],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+            def probe():
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    try:
+                        m = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=2).read().decode()
+                        h = urllib.request.urlopen(f"http://127.0.0.1:{lport}/healthz", timeout=2).status
+                        return m, h
+                    except OSError:
+                        time.sleep(0.3)
+                return None, None
+            try:
+                text, health = await asyncio.to_thread(probe)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                out, _ = await asyncio.to_thread(proc.communicate, None, 60)
+            assert text is not None, out
+            assert "shoal_operator_reconcile_total" in text and health == 200
+            assert proc.returncode == 0, out
+
+    asyncio.run(scenario())

@@ -11,7 +11,7 @@ explicitly, the parts it lacks:
 - the API server's `metadata.generation` counter and `uid` (set on create / spec change);
 - the StatefulSet controller and the kubelet: for every group StatefulSet it creates
   the pods from the template (with the pod-index label) and, a moment later, marks
-  them Ready, with a pod IP;
+  them Ready, with a pod IP, and keeps the StatefulSet's status.readyReplicas in step;
 - the garbage collector: objects whose owner is gone are deleted (the test checks that
   every object the operator made has an ownerReference that lets the real one do it);
 - the runtime's /metrics: the leaders' scrapes are answered by a tiny in-test server.
@@ -26,7 +26,6 @@ import threading
 import time
 from typing import Any
 
-import kmock
 import pytest
 import yaml
 
@@ -43,7 +42,7 @@ RESOURCES = {
                                                     verbs={"get", "list", "watch", "patch", "create", "delete"}),
     "apps/v1/statefulsets": dict(kind="StatefulSet", namespaced=True,
                                  verbs={"get", "list", "watch", "patch", "create", "delete"}),
-    "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "patch", "create", "delete"}),
+    "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
     "v1/services": dict(kind="Service", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
     "v1/events": dict(kind="Event", namespaced=True, verbs={"create", "list"}),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True,
@@ -119,7 +118,8 @@ def cluster(kmock, tmp_path, monkeypatch, fake_metrics):
 async def operator_running():
     from kopf.testing import KopfRunner
 
-    runner = KopfRunner(["run", "--standalone", "--verbose", "--namespace", NS, "-m", "shoal.operator.main"])
+    runner = KopfRunner(["run", "--standalone", "--verbose", "--namespace", NS, "-m", "shoal.operator.main"],
+                        timeout=60)  # fail, never hang, if the operator does not stop
     runner.__enter__()
     try:
         yield runner
@@ -138,7 +138,7 @@ async def items(k: Any, path: str) -> list[dict]:
     return (data or {}).get("items", [])
 
 
-async def eventually(check, timeout: float = 20.0, interval: float = 0.1):
+async def eventually(check, timeout: float = 45.0, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     while True:
         result = await check()
@@ -203,6 +203,17 @@ class ClusterPlayer:
                                     "conditions": [{"type": "Ready", "status": "True"}],
                                     "containerStatuses": [{"name": "shoal", "restartCount": 0, "ready": True}]}}
                 async with k.patch(f"{PODS}/{pname}/status", json=patch) as resp:
+                    assert resp.status == 200
+        # StatefulSet controller again: its status follows its pods (what the operator watches).
+        counts: dict[str, int] = {}
+        for pod in stored(k, "pods"):
+            if (pod.get("status") or {}).get("phase") == "Running":
+                g = pod["metadata"]["labels"][render.L_GROUP]
+                counts[g] = counts.get(g, 0) + 1
+        for name, sts in stss.items():
+            want = {"replicas": sts["spec"]["replicas"], "readyReplicas": counts.get(name, 0)}
+            if {k_: (sts.get("status") or {}).get(k_) for k_ in want} != want:
+                async with k.patch(f"{STS}/{name}/status", json={"status": want}) as resp:
                     assert resp.status == 200
         # Garbage collector: pods whose StatefulSet is gone.
         for pod in pods:
@@ -295,7 +306,7 @@ async def test_apply_rollout_delete(cluster):
                 if st.get("observedGeneration") == 2 and len(stss) == 2 and rev1 not in revs \
                         and st.get("readyReplicas") == 2 and cond(st, "Progressing")["reason"] == "RolloutComplete":
                     return obj, stss
-            obj, stss = await eventually(rolled_out, timeout=40)
+            obj, stss = await eventually(rolled_out, timeout=90)
             assert min(player.ready_groups_seen) >= 2 - 0, player.ready_groups_seen   # replicas - maxUnavailable
             assert max(player.ready_groups_seen) <= 2 + 1, player.ready_groups_seen   # replicas + maxSurge
             assert obj["status"]["revision"] != rev1
@@ -318,7 +329,7 @@ async def test_apply_rollout_delete(cluster):
                 st = obj.get("status") or {}
                 if st.get("desiredReplicas") == 3 and st.get("readyReplicas") == 3:
                     return obj
-            obj = await eventually(scaled_up, timeout=30)
+            obj = await eventually(scaled_up, timeout=60)
             assert obj["spec"]["replicas"] == 2              # the decision is in the status, never in the spec
             assert obj["status"]["queueDepth"] >= 60 and obj["status"]["autoscaler"]["recommendations"]
             assert len(await items(k, STS)) == 3

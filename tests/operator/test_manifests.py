@@ -42,6 +42,9 @@ def test_kustomization_installs_crd_and_operator():
 
 def test_operator_servicemonitor():
     (sm,) = [d for d in yaml.safe_load_all((MANIFESTS / "operator-servicemonitor" / "servicemonitor.yaml").read_text())]
+    from test_render import validate_monitor
+
+    validate_monitor(sm)
     svc = yaml.safe_load((MANIFESTS / "operator" / "service.yaml").read_text())
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
@@ -63,7 +66,7 @@ def test_cluster_role_is_enough_and_least():
                                   ("shoal.dev", "inferencedeployments/status", "patch"),
                                   ("shoal.dev", "inferencedeployments/finalizers", "update"),
                                   ("apps", "statefulsets", "delete"), ("", "pods", "delete"), ("", "pods", "patch"),
-                                  ("", "pods", "watch"), ("", "events", "create")]:
+                                  ("", "pods", "list"), ("", "events", "create")]:
         assert allowed(rules, group, resource, verb), (group, resource, verb)
     # least privilege: no wildcards, no secrets, nothing cluster-admin-like
     for r in rules:

@@ -55,7 +55,7 @@ def test_api_key(guarded):
 
 def test_queue_full_gets_503_with_retry_after(guarded):
     auth = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
 
     async def main():
         async with httpx.AsyncClient(base_url=guarded.base_url, headers=auth, timeout=300) as c:
@@ -71,7 +71,7 @@ def test_queue_full_gets_503_with_retry_after(guarded):
 
 def test_stall_watchdog(guarded):
     """/health is 503 while the engine has work and no step has finished for --stall-timeout
-    (here a single ~1000-token prefill step), and 200 again once steps complete."""
+    (here a single 600-token prefill step), and 200 again once steps complete."""
     auth = {"Authorization": f"Bearer {KEY}"}
     seen: list[int] = []
     stop = threading.Event()
@@ -86,7 +86,7 @@ def test_stall_watchdog(guarded):
     t.start()
     try:
         r = httpx.post(guarded.base_url + "/v1/completions", headers=auth, timeout=300,
-                       json={"model": MODEL, "prompt": [1000 + i for i in range(1000)], "max_tokens": 1})
+                       json={"model": MODEL, "prompt": [1000 + i for i in range(600)], "max_tokens": 1})
         assert r.status_code == 200
     finally:
         stop.set()

@@ -56,7 +56,7 @@ def test_disconnect_mid_stream_frees_everything(server):
 
 
 def test_disconnect_non_streaming_frees_everything(server):
-    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=3))
     running, kv = _wait_idle(server.base_url, timeout=60)

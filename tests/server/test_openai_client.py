@@ -19,14 +19,14 @@ def test_models(client, server):
 
 
 def test_completion_greedy_stream_equals_full(client, model_name):
-    full = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0)
+    full = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0)
     choice = full.choices[0]
     assert choice.text and choice.finish_reason in ("length", "stop")
-    assert full.usage.prompt_tokens > 0 and full.usage.completion_tokens <= 12
+    assert full.usage.prompt_tokens > 0 and full.usage.completion_tokens <= 8
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     assert full.id.startswith("cmpl-") and full.object == "text_completion" and full.model == model_name
 
-    chunks = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == choice.text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -36,13 +36,13 @@ def test_completion_greedy_stream_equals_full(client, model_name):
 
 
 def test_chat_greedy_stream_equals_full(client, model_name):
-    full = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=12, temperature=0)
+    full = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8, temperature=0)
     msg = full.choices[0].message
     assert msg.role == "assistant" and msg.content
     assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
     assert full.usage.prompt_tokens > len(CHAT[0]["content"].split())  # the template adds tokens
 
-    stream = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=12, temperature=0, stream=True)
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8, temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -51,12 +51,12 @@ def test_chat_greedy_stream_equals_full(client, model_name):
 
 
 def test_n2_completions_and_chat(client, model_name):
-    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, n=2, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in out.choices) == [0, 1]
-    assert out.usage.completion_tokens == 12
-    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert out.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, n=2, temperature=1.0, seed=3)
     assert sorted(c.index for c in chat.choices) == [0, 1]
-    streamed = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0, seed=3, stream=True, extra_body={"ignore_eos": True}))
+    streamed = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, n=2, temperature=1.0, seed=3, stream=True, extra_body={"ignore_eos": True}))
     by_index = {0: "", 1: ""}
     for c in streamed:
         for ch in c.choices:
@@ -65,31 +65,31 @@ def test_n2_completions_and_chat(client, model_name):
 
 
 def test_seeded_sampling_reproducible(client, model_name):
-    kw = dict(model=model_name, prompt="Once upon a time", max_tokens=10, temperature=1.0, top_p=0.95, seed=1234)
+    kw = dict(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=1.0, top_p=0.95, seed=1234)
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b
-    c = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8, temperature=1.0, seed=7).choices[0].message.content
-    d = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=8, temperature=1.0, seed=7).choices[0].message.content
+    c = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=5, temperature=1.0, seed=7).choices[0].message.content
+    d = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=5, temperature=1.0, seed=7).choices[0].message.content
     assert c == d
 
 
 def test_stop_strings(client, model_name):
-    base = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    base = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
     words = base.split()
     assert len(words) >= 2, base
     stop = words[1]
-    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop])
     ch = out.choices[0]
     assert ch.finish_reason == "stop"
     assert stop not in ch.text and base.startswith(ch.text)
     assert ch.model_extra.get("stop_reason") == stop
-    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=0, stop=stop, stream=True) if c.choices)
     assert streamed == ch.text
 
 
 def test_completion_logprobs(client, model_name):
-    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    out = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == out.usage.completion_tokens
     assert "".join(lp.tokens) == out.choices[0].text
@@ -98,13 +98,13 @@ def test_completion_logprobs(client, model_name):
         assert 1 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(val, abs=1e-4)  # greedy: the chosen token is the top one
     assert lp.text_offset == sorted(lp.text_offset)
-    streamed = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3, stream=True))
+    streamed = list(client.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3, stream=True))
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert tokens == lp.tokens
 
 
 def test_chat_logprobs(client, model_name):
-    out = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     for entry in content:

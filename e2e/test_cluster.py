@@ -1,0 +1,160 @@
+"""The operator against a real cluster: install, serve, roll out a new revision, delete.
+
+Run: `make e2e` (or `.venv/bin/pytest -q e2e`) with KUBECONFIG pointing at a cluster
+that can pull (or was loaded with) the images. Knobs (environment):
+
+- SHOAL_E2E_OPERATOR_IMAGE: the operator image (default: as in manifests/operator/deployment.yaml)
+- SHOAL_E2E_RUNTIME_IMAGE:  the runtime image for the sample (default: the operator's CPU default)
+- SHOAL_E2E_TIMEOUT:        seconds to wait for Available (default 900: images + model load)
+- SHOAL_E2E_UNINSTALL=1:    also remove the operator and the CRD at the end
+
+Skipped, loudly, when no cluster is reachable (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NS = "shoal-e2e"
+NAME = "smollm2"
+TIMEOUT = float(os.environ.get("SHOAL_E2E_TIMEOUT", "900"))
+
+
+def kubectl(kc: str, *args: str, input: str | None = None, check: bool = True, timeout: float = 120) -> str:
+    r = subprocess.run([kc, *args], input=input, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)} failed: {r.stderr or r.stdout}")
+    return r.stdout
+
+
+def infd(kc: str) -> dict | None:
+    out = kubectl(kc, "-n", NS, "get", "infd", NAME, "-o", "json", check=False)
+    return json.loads(out) if out.strip() else None
+
+
+def condition(obj: dict, ctype: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == ctype), {})
+
+
+def wait_for(what: str, check, timeout: float = TIMEOUT, interval: float = 3.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def sample() -> dict:
+    with open(os.path.join(ROOT, "manifests", "samples", "smollm2-cpu.yaml"), encoding="utf-8") as f:
+        obj = yaml.safe_load(f)
+    obj["metadata"]["namespace"] = NS
+    spec = obj["spec"]
+    spec["replicas"] = 1
+    spec["autoscaling"]["enabled"] = False          # a small cluster: one group, no autoscaler noise
+    spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "3Gi"}}
+    if os.environ.get("SHOAL_E2E_RUNTIME_IMAGE"):
+        spec["image"] = os.environ["SHOAL_E2E_RUNTIME_IMAGE"]
+        spec["podTemplate"] = {"imagePullPolicy": "IfNotPresent"}
+    return obj
+
+
+@pytest.fixture(scope="module")
+def installed(cluster):
+    kc = cluster
+    kubectl(kc, "apply", "-k", os.path.join(ROOT, "manifests"))
+    kubectl(kc, "wait", "--for=condition=Established", "crd/inferencedeployments.shoal.dev", "--timeout=60s")
+    if os.environ.get("SHOAL_E2E_OPERATOR_IMAGE"):
+        kubectl(kc, "-n", "shoal-system", "set", "image", "deployment/shoal-operator",
+                f"operator={os.environ['SHOAL_E2E_OPERATOR_IMAGE']}")
+    kubectl(kc, "-n", "shoal-system", "rollout", "status", "deployment/shoal-operator", "--timeout=300s",
+            timeout=320)
+    kubectl(kc, "create", "namespace", NS, check=False)
+    yield kc
+    kubectl(kc, "delete", "namespace", NS, "--ignore-not-found", "--wait=false", check=False)
+    if os.environ.get("SHOAL_E2E_UNINSTALL") == "1":
+        kubectl(kc, "delete", "-k", os.path.join(ROOT, "manifests"), "--ignore-not-found", check=False, timeout=300)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def complete_through_service(kc: str) -> dict:
+    port = free_port()
+    pf = subprocess.Popen([kc, "-n", NS, "port-forward", f"svc/{NAME}", f"{port}:8000"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def answered():
+            try:
+                body = json.dumps({"model": NAME, "prompt": "The capital of France is", "max_tokens": 8,
+                                   "temperature": 0}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return json.loads(resp.read())
+            except OSError:
+                return None
+        return wait_for("a completion through the Service", answered, timeout=120, interval=2)
+    finally:
+        pf.terminate()
+        pf.wait(timeout=10)
+
+
+def test_install_serve_rollout_delete(installed):
+    kc = installed
+    kubectl(kc, "apply", "-f", "-", input=yaml.safe_dump(sample()))
+
+    obj = wait_for("Available=True", lambda: (o := infd(kc)) and condition(o, "Available").get("status") == "True"
+                   and (o["status"].get("readyReplicas") or 0) >= 1 and o)
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+    rev1 = obj["status"]["revision"]
+    stss = json.loads(kubectl(kc, "-n", NS, "get", "statefulsets", "-l", f"shoal.dev/deployment={NAME}", "-o", "json"))
+    assert len(stss["items"]) == 1
+    assert stss["items"][0]["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+
+    out = complete_through_service(kc)
+    assert out["choices"] and isinstance(out["choices"][0]["text"], str) and out["choices"][0]["text"]
+
+    # A new model revision: a new group comes up, then the old one goes (maxSurge 1, maxUnavailable 0).
+    kubectl(kc, "-n", NS, "patch", "infd", NAME, "--type=merge", "-p",
+            json.dumps({"spec": {"model": {"revision": "e2e-2"}}}))
+    ready_seen = []
+
+    def rolled_out():
+        o = infd(kc)
+        st = o.get("status") or {}
+        ready_seen.append(st.get("readyReplicas", 0))
+        groups = st.get("groups") or []
+        return (st.get("observedGeneration") == o["metadata"]["generation"] and st.get("revision") != rev1
+                and groups and all(g["revision"] == st["revision"] and g["ready"] for g in groups)
+                and len(groups) == 1 and condition(o, "Progressing").get("reason") == "RolloutComplete" and o)
+    wait_for("the rollout of revision e2e-2", rolled_out)
+    assert min(ready_seen) >= 1, f"ready groups dropped below replicas - maxUnavailable: {ready_seen}"
+    assert complete_through_service(kc)["choices"]
+
+    events = kubectl(kc, "-n", NS, "get", "events", "--field-selector", f"involvedObject.name={NAME}", "-o", "json")
+    reasons = {e.get("reason") for e in json.loads(events)["items"]}
+    assert {"GroupCreated", "GroupDeleted"} <= reasons, reasons
+
+    # Delete: everything it owned goes with it (the real garbage collector this time).
+    kubectl(kc, "-n", NS, "delete", "infd", NAME, "--wait=true", "--timeout=300s", timeout=320)
+
+    def all_gone():
+        left = kubectl(kc, "-n", NS, "get", "statefulsets,pods,services,poddisruptionbudgets",
+                       "-l", f"shoal.dev/deployment={NAME}", "-o", "name")
+        return not left.strip()
+    wait_for("the children to be garbage-collected", all_gone, timeout=300)

@@ -1,0 +1,399 @@
+"""One reconcile of one InferenceDeployment: read the cluster, call the pure planners, write.
+
+The kopf handlers (main.py) only decide *when* to call `Controller.trigger`; this file
+decides *what* to do, with the pure functions below it (render, rollout, autoscale,
+status) doing the thinking. Calls for the same resource are coalesced: while one runs,
+further triggers only make it run once more, with a fresh read of the resource.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, status
+from shoal.operator.kube import ApiError, Kube
+
+log = logging.getLogger("shoal.operator")
+
+RESTART_COOLDOWN_SECONDS = 30
+MAX_RERUNS = 2
+LONE_POD_SPREAD_SECONDS = 60
+A_RESTARTS = "shoal.dev/restarts"
+A_RESTARTED_AT = "shoal.dev/restarted-at"
+
+
+# ---------------------------------------------------------------- runtime metrics
+
+def fetch_metrics(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (cluster-internal http)
+        return resp.read().decode()
+
+
+def queue_depth(text: str) -> float:
+    """Requests a leader holds: shoal_num_requests_running + shoal_num_requests_waiting (all models)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("shoal_num_requests_running", "shoal_num_requests_waiting"):
+                total += float(sample.value)
+    return total
+
+
+def metrics_url(pod: dict[str, Any]) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    port = render.HTTP_PORT
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            if p.get("name") == "http":
+                port = p.get("containerPort", port)
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/metrics"
+
+
+# ---------------------------------------------------------------- observed state
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def pod_index(pod: dict[str, Any]) -> int:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if render.L_POD_INDEX in labels:
+        return int(labels[render.L_POD_INDEX])
+    return int(pod["metadata"]["name"].rsplit("-", 1)[-1])
+
+
+def _ts(value: str | None) -> float | None:
+    if not value:
+        return None
+    import datetime
+
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def failure_reason(pods: list[dict[str, Any]]) -> str | None:
+    """Why a group must be restarted as a whole, or None.
+
+    A pod failed or one of its containers restarted (the runtime's ranks cannot rejoin a
+    running group), or a pod was recreated alone (its creation is far later than its peers').
+    """
+    for pod in pods:
+        st = pod.get("status") or {}
+        if st.get("phase") == "Failed":
+            return f"pod {pod['metadata']['name']} failed"
+        for cs in (st.get("containerStatuses") or []) + (st.get("initContainerStatuses") or []):
+            if int(cs.get("restartCount") or 0) > 0:
+                return f"container {cs.get('name')} of pod {pod['metadata']['name']} restarted"
+    times = [t for t in (_ts(p["metadata"].get("creationTimestamp")) for p in pods) if t is not None]
+    if len(times) > 1 and max(times) - min(times) > LONE_POD_SPREAD_SECONDS:
+        return "a pod was recreated alone"
+    return None
+
+
+@dataclasses.dataclass
+class Observed:
+    statefulsets: dict[str, dict[str, Any]]
+    pods: dict[str, list[dict[str, Any]]]          # by group name
+
+
+def owned_by(obj: dict[str, Any], uid: str | None) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return uid is None or any(r.get("uid") == uid for r in refs)
+
+
+# ---------------------------------------------------------------- the controller
+
+Events = Callable[[dict[str, Any], str, str, str], None]   # (body, type, reason, message)
+
+
+def _log_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    log.info("%s/%s %s %s: %s", body["metadata"].get("namespace"), body["metadata"]["name"], type_, reason, message)
+
+
+class Controller:
+    def __init__(self, kube: Kube | Callable[[], Kube], *, events: Events = _log_event,
+                 clock: Callable[[], float] = time.time, cluster_domain: str = "cluster.local",
+                 fetch: Callable[[str], str] | None = None):
+        self._kube = kube
+        self.events = events
+        self.clock = clock
+        self.cluster_domain = cluster_domain
+        self.fetch = fetch or fetch_metrics
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, str], dict[str, bool]] = {}
+        self.loads: dict[tuple[str, str], dict[str, float]] = {}
+        self.applied: dict[tuple[str, str, str, str], str] = {}   # (kind, ns, name, owner uid) -> spec hash
+
+    @property
+    def kube(self) -> Kube:
+        return self._kube() if callable(self._kube) else self._kube
+
+    # -------------------------------------------------------------- coalescing
+
+    def trigger(self, namespace: str, name: str, *, scrape: bool = False) -> None:
+        """Reconcile now, or (if one is running for this resource) once more right after it.
+
+        A caller reruns at most MAX_RERUNS times for triggers that arrived meanwhile, so no
+        kopf handler is held for long; anything left over is picked up by the next trigger
+        or timer round.
+        """
+        key = (namespace, name)
+        with self._lock:
+            if key in self._running:
+                pending = self._running[key]
+                pending["again"] = True
+                pending["scrape"] = pending["scrape"] or scrape
+                return
+            self._running[key] = {"again": False, "scrape": False}
+        try:
+            for _ in range(1 + MAX_RERUNS):
+                self.reconcile(namespace, name, scrape=scrape)
+                with self._lock:
+                    pending = self._running[key]
+                    if not pending["again"]:
+                        break
+                    scrape = pending["scrape"]
+                    self._running[key] = {"again": False, "scrape": False}
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.loads.pop((namespace, name), None)
+        self.applied = {k: v for k, v in self.applied.items() if k[1] != namespace or not k[2].startswith(name)}
+        metrics.forget(namespace, name)
+
+    # -------------------------------------------------------------- one reconcile
+
+    def reconcile(self, namespace: str, name: str, *, scrape: bool = False) -> dict[str, Any] | None:
+        kube = self.kube
+        raw = kube.get(crd.API_VERSION, crd.KIND, namespace, name)
+        if raw is None or raw["metadata"].get("deletionTimestamp"):
+            return None
+        body = defaults.apply_defaults(raw)
+        body["metadata"].setdefault("namespace", namespace)
+        with metrics.reconciling():
+            try:
+                return self._reconcile(kube, body, scrape)
+            except Exception as e:
+                self._report_error(kube, body, e)
+                raise
+
+    def _reconcile(self, kube: Kube, body: dict[str, Any], scrape: bool) -> dict[str, Any]:
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        uid = body["metadata"].get("uid")
+        spec = body["spec"]
+        now = self.clock()
+        revision = render.revision_hash(body)
+
+        # 1. Objects shared by all groups.
+        # Event-driven rounds trust what this process applied; timer rounds re-check the cluster.
+        for obj in render.shared_objects(body):
+            self._apply(kube, obj, verify=scrape)
+        if scrape:
+            for api_version, kind, mname in render.monitor_objects_absent(body):
+                existing = self._get_quietly(kube, api_version, kind, ns, mname)
+                if existing is not None and owned_by(existing, uid):
+                    kube.delete(api_version, kind, ns, mname)
+                    self.applied.pop((kind, ns, mname, uid or ""), None)
+
+        # 2. What the groups look like.
+        obs = self._observe(kube, body)
+        groups, details, failing = self._groups(kube, body, obs, revision)
+
+        # 3. Queue depth (timer rounds only) and the autoscaler.
+        key = (ns, name)
+        if scrape:
+            self.loads[key] = self._scrape(obs, groups)
+        loads = self.loads.get(key, {})
+        groups = [dataclasses.replace(g, load=loads.get(g.name, 0.0)) for g in groups]
+        desired = render.desired_replicas(body)
+        auto_state = None
+        if spec["autoscaling"]["enabled"]:
+            auto_state = (body.get("status") or {}).get("autoscaler") or {}
+            if scrape:
+                reporting = [loads[g.name] for g in groups if g.ready and not g.terminating and g.name in loads]
+                decision = autoscale.decide(now=now, current=desired, loads=reporting,
+                                            config=spec["autoscaling"], state=auto_state)
+                metrics.autoscaler_decision(ns, name, decision.direction)
+                if decision.replicas != desired:
+                    self.events(body, "Normal", "ScaledUp" if decision.direction == "up" else "ScaledDown",
+                                f"desired groups {desired} -> {decision.replicas}: {decision.reason}")
+                desired, auto_state = decision.replicas, decision.state
+
+        # 4. The rollout step.
+        plan = rollout.plan(groups, revision, desired, spec["rollout"]["maxSurge"], spec["rollout"]["maxUnavailable"])
+        for index in plan.create:
+            sts = render.group_statefulset(body, revision, index, self.cluster_domain)
+            self._apply_now(kube, sts)
+            groups.append(rollout.Group(sts["metadata"]["name"], revision, index, ready=False))
+            self.events(body, "Normal", "GroupCreated",
+                        f"created group {sts['metadata']['name']} (revision {revision})")
+        doomed = set(plan.delete)
+        for gname in plan.delete:
+            kube.delete("apps/v1", "StatefulSet", ns, gname, propagation="Foreground")
+            g = next(g for g in groups if g.name == gname)
+            why = "old revision" if g.revision != revision else "scale down"
+            self.events(body, "Normal", "GroupDeleted", f"deleted group {gname} ({why}); its pods drain")
+        groups = [dataclasses.replace(g, terminating=True, ready=False) if g.name in doomed else g for g in groups]
+
+        # 5. Status.
+        new_status = status.build(body=body, groups=groups, group_details=details, revision=revision,
+                                  desired=desired, selector=render.selector(name), failing=failing,
+                                  autoscaler=auto_state, now=now)
+        self._write_status(kube, body, new_status)
+        metrics.set_groups(ns, name, desired, new_status["readyReplicas"])
+        return new_status
+
+    # -------------------------------------------------------------- helpers
+
+    @staticmethod
+    def _get_quietly(kube: Kube, api_version: str, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return kube.get(api_version, kind, ns, name)
+        except ApiError as e:
+            if e.status in (403, 404):
+                return None
+            raise
+
+    def _apply(self, kube: Kube, obj: dict[str, Any], verify: bool = True) -> None:
+        meta = obj["metadata"]
+        want = meta["annotations"][render.A_SPEC_HASH]
+        owner = (meta.get("ownerReferences") or [{}])[0].get("uid", "")
+        key = (obj["kind"], meta["namespace"], meta["name"], owner)
+        if not verify and self.applied.get(key) == want:
+            return
+        self._apply_now(kube, obj)
+        self.applied[key] = want
+
+    def _apply_now(self, kube: Kube, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        existing = self._get_quietly(kube, obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if existing is not None:
+            have = ((existing.get("metadata") or {}).get("annotations") or {}).get(render.A_SPEC_HASH)
+            if have == meta["annotations"][render.A_SPEC_HASH]:
+                return  # unchanged: applying again would only churn resourceVersions
+            if existing["metadata"].get("deletionTimestamp"):
+                return  # still going away; the next round recreates it
+        kube.apply(obj)
+
+    def _observe(self, kube: Kube, body: dict[str, Any]) -> Observed:
+        ns, name, uid = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid")
+        labels = render.selector_labels(name)
+        stss = {s["metadata"]["name"]: s for s in kube.list("apps/v1", "StatefulSet", ns, labels)
+                if owned_by(s, uid) and render.L_GROUP in (s["metadata"].get("labels") or {})}
+        pods: dict[str, list[dict[str, Any]]] = {g: [] for g in stss}
+        for pod in kube.list("v1", "Pod", ns, labels):
+            group = (pod["metadata"].get("labels") or {}).get(render.L_GROUP)
+            if group in pods:
+                pods[group].append(pod)
+        return Observed(stss, pods)
+
+    def _groups(self, kube: Kube, body: dict[str, Any], obs: Observed, revision: str):
+        ns = body["metadata"]["namespace"]
+        now = self.clock()
+        groups: list[rollout.Group] = []
+        details: dict[str, dict[str, Any]] = {}
+        failing: list[str] = []
+        for gname, sts in sorted(obs.statefulsets.items()):
+            meta = sts["metadata"]
+            labels = meta.get("labels") or {}
+            ann = meta.get("annotations") or {}
+            size = int((sts.get("spec") or {}).get("replicas") or 0)
+            pods = [p for p in obs.pods.get(gname, []) if not p["metadata"].get("deletionTimestamp")]
+            ready_pods = sum(pod_ready(p) for p in pods)
+            ready = size > 0 and ready_pods == size and len(pods) == size
+            restarts = int(ann.get(A_RESTARTS, "0"))
+            terminating = bool(meta.get("deletionTimestamp"))
+            g_rev = labels.get(render.L_REVISION, "")
+            if not terminating:
+                self._label_roles(kube, ns, pods)
+                reason = failure_reason(pods) if g_rev == revision else None
+                if reason:
+                    failing.append(gname)
+                    ready = False
+                    last = float(ann.get(A_RESTARTED_AT, "0") or 0)
+                    if now - last >= RESTART_COOLDOWN_SECONDS:
+                        restarts += 1
+                        self._restart_group(kube, body, sts, obs.pods.get(gname, []), reason, restarts, now)
+            groups.append(rollout.Group(gname, g_rev, int(labels.get(render.L_INDEX, "0")), ready=ready,
+                                        terminating=terminating))
+            details[gname] = {"readyPods": ready_pods, "restarts": restarts}
+        return groups, details, failing
+
+    def _label_roles(self, kube: Kube, ns: str, pods: list[dict[str, Any]]) -> None:
+        for pod in pods:
+            try:
+                role = "leader" if pod_index(pod) == 0 else "worker"
+            except (ValueError, KeyError):
+                continue
+            if (pod["metadata"].get("labels") or {}).get(render.L_ROLE) != role:
+                try:
+                    kube.merge_patch("v1", "Pod", ns, pod["metadata"]["name"],
+                                     {"metadata": {"labels": {render.L_ROLE: role}}})
+                except ApiError as e:
+                    if e.status != 404:
+                        raise
+
+    def _restart_group(self, kube: Kube, body: dict[str, Any], sts: dict[str, Any], pods: list[dict[str, Any]],
+                       reason: str, restarts: int, now: float) -> None:
+        ns, gname = body["metadata"]["namespace"], sts["metadata"]["name"]
+        kube.merge_patch("apps/v1", "StatefulSet", ns, gname, {"metadata": {"annotations": {
+            A_RESTARTS: str(restarts), A_RESTARTED_AT: str(int(now))}}})
+        for pod in pods:
+            kube.delete("v1", "Pod", ns, pod["metadata"]["name"])
+        metrics.group_restarted(ns, body["metadata"]["name"])
+        self.events(body, "Warning", "GroupRestarted",
+                    f"restarting group {gname} as a whole ({reason}); restart #{restarts}")
+
+    def _scrape(self, obs: Observed, groups: list[rollout.Group]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for g in groups:
+            if not g.ready or g.terminating:
+                continue
+            leader = next((p for p in obs.pods.get(g.name, []) if pod_index(p) == 0), None)
+            url = metrics_url(leader) if leader else None
+            if not url:
+                continue
+            try:
+                out[g.name] = queue_depth(self.fetch(url))
+            except Exception as e:  # a leader that does not answer simply does not report
+                log.debug("scrape %s failed: %s", url, e)
+        return out
+
+    def _write_status(self, kube: Kube, body: dict[str, Any], new: dict[str, Any]) -> None:
+        old = body.get("status") or {}
+        if status.same({k: old.get(k) for k in new}, new) and ("autoscaler" in new or "autoscaler" not in old):
+            return
+        patch = dict(new)
+        if "autoscaler" not in new and "autoscaler" in old:
+            patch["autoscaler"] = None
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        kube.merge_patch(crd.API_VERSION, crd.KIND, ns, name, {"status": patch}, subresource="status")
+
+    def _report_error(self, kube: Kube, body: dict[str, Any], exc: Exception) -> None:
+        """Best effort: say Degraded/ReconcileError in the status, keep the rest."""
+        try:
+            now = self.clock()
+            prev = (body.get("status") or {}).get("conditions") or []
+            gen = body["metadata"].get("generation")
+            deg = status.condition("Degraded", True, "ReconcileError", str(exc)[:500], gen, prev, now)
+            conds = [c for c in prev if c.get("type") != "Degraded"] + [deg]
+            kube.merge_patch(crd.API_VERSION, crd.KIND, body["metadata"]["namespace"], body["metadata"]["name"],
+                             {"status": {"conditions": conds}}, subresource="status")
+            self.events(body, "Warning", "ReconcileError", str(exc)[:500])
+        except Exception:  # pragma: no cover - reporting must never mask the error
+            log.exception("could not report the reconcile error")

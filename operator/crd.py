@@ -1,0 +1,362 @@
+"""The InferenceDeployment CustomResourceDefinition, as data.
+
+This module is the single source of truth for the resource's schema: `crds/` holds
+its YAML rendering (`shoal operator crd > crds/shoal.dev_inferencedeployments.yaml`,
+checked by a test), and `defaults.apply_defaults` fills a spec from the very same
+schema, so `shoal operator render` and the controller see exactly what the API server
+would store.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+GROUP = "shoal.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+SINGULAR = "inferencedeployment"
+SHORT_NAMES = ["infd"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Group names are `<name>-<revision>-<index>` and become StatefulSet names, whose
+# pods carry `controller-revision-hash: <sts>-<10 chars>` (a 63-char label value):
+# 38 + 1 + 8 + 1 + 3 = 51 <= 52.
+MAX_NAME_LENGTH = 38
+MAX_REPLICAS = 512
+
+# Known model source schemes, anchored; used by the schema and by render.
+SOURCE_PATTERN = (
+    r"^(builtin://[a-z0-9][a-z0-9._-]*"
+    r"|hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?"
+    r"|file:///.+)$"
+)
+
+# CEL rules, by the schema path they sit on (the tests evaluate these same strings).
+RULE_NAME = {
+    "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+    "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
+               "(group StatefulSet names are derived from it)",
+}
+RULE_MIN_MAX = {
+    "rule": "self.minReplicas <= self.maxReplicas",
+    "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+}
+RULE_ROLLOUT = {
+    "rule": "self.maxSurge > 0 || self.maxUnavailable > 0",
+    "message": "rollout.maxSurge and rollout.maxUnavailable cannot both be 0",
+}
+RULE_BATCH = {
+    "rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
+    "message": "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs",
+}
+
+
+def _int(default: int | None = None, minimum: int | None = None, maximum: int | None = None,
+         description: str = "") -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "integer"}
+    if description:
+        s["description"] = description
+    if default is not None:
+        s["default"] = default
+    if minimum is not None:
+        s["minimum"] = minimum
+    if maximum is not None:
+        s["maximum"] = maximum
+    return s
+
+
+def _free_object(description: str = "") -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    if description:
+        s["description"] = description
+    return s
+
+
+def _free_list(description: str = "") -> dict[str, Any]:
+    return {"type": "array", "description": description, "items": _free_object()}
+
+
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+
+_QUANTITY = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+}
+
+
+def spec_schema() -> dict[str, Any]:
+    model = {
+        "type": "object",
+        "description": "What to serve.",
+        "required": ["source"],
+        "properties": {
+            "source": {
+                "type": "string",
+                "description": "builtin://NAME, hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH",
+                "pattern": SOURCE_PATTERN,
+                "maxLength": 1024,
+            },
+            "revision": {"type": "string", "default": "main", "maxLength": 256,
+                         "description": "Hugging Face revision (branch, tag or commit); any change rolls the groups"},
+            "servedName": {"type": "string", "maxLength": 256,
+                           "description": "the model name clients send; defaults to the resource name"},
+            "tokenSecret": {
+                "type": "object",
+                "description": "Secret holding a Hugging Face token for hf:// sources",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "maxLength": 253},
+                    "key": {"type": "string", "default": "token", "maxLength": 253},
+                },
+            },
+            "cacheSize": {**_QUANTITY, "description": "size limit of the hf:// download cache (emptyDir)"},
+        },
+    }
+    parallelism = {
+        "type": "object",
+        "default": {},
+        "description": "Group shape: `pipeline` pods of `tensor` accelerators (or processes) each.",
+        "properties": {
+            "tensor": _int(1, 1, 64, "tensor-parallel ranks per pod"),
+            "pipeline": _int(1, 1, 64, "pipeline stages = pods per group"),
+        },
+    }
+    engine = {
+        "type": "object",
+        "default": {},
+        "description": "Runtime flags of `shoal serve`.",
+        "x-kubernetes-validations": [RULE_BATCH],
+        "properties": {
+            "maxNumSeqs": _int(256, 1, 65536),
+            "maxNumBatchedTokens": _int(2048, 1, 1048576),
+            "maxModelLen": _int(4096, 16, 1048576),
+            "blockSize": {"type": "integer", "default": 16, "enum": [8, 16, 32, 64, 128]},
+            "enablePrefixCaching": {"type": "boolean", "default": True},
+            "schedulingPolicy": {"type": "string", "default": "fcfs", "enum": ["fcfs", "priority"]},
+            "drainTimeoutSeconds": _int(60, 0, 3600, "how long in-flight requests may finish on SIGTERM"),
+            "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+                          "description": "further `shoal serve` flags, appended verbatim"},
+        },
+    }
+    resources = {
+        "type": "object",
+        "description": "Per-pod resources. Naming an accelerator (e.g. nvidia.com/gpu) sets its "
+                       "limit to parallelism.tensor.",
+        "properties": {
+            "requests": {"type": "object", "additionalProperties": _QUANTITY},
+            "limits": {"type": "object", "additionalProperties": _QUANTITY},
+        },
+    }
+    autoscaling = {
+        "type": "object",
+        "default": {},
+        "x-kubernetes-validations": [RULE_MIN_MAX],
+        "properties": {
+            "enabled": {"type": "boolean", "default": False},
+            "minReplicas": _int(1, 1, MAX_REPLICAS),
+            "maxReplicas": _int(8, 1, MAX_REPLICAS),
+            "targetQueueDepth": _int(32, 1, 1000000, "requests in flight per group to aim for"),
+            "scaleUpStabilizationSeconds": _int(0, 0, 3600),
+            "scaleDownStabilizationSeconds": _int(300, 0, 3600),
+            "tolerance": {"type": "number", "default": 0.1, "minimum": 0, "maximum": 1},
+        },
+    }
+    rollout = {
+        "type": "object",
+        "default": {},
+        "x-kubernetes-validations": [RULE_ROLLOUT],
+        "properties": {
+            "maxSurge": _int(1, 0, MAX_REPLICAS, "groups above replicas during a rollout"),
+            "maxUnavailable": _int(0, 0, MAX_REPLICAS, "ready groups below replicas during a rollout"),
+        },
+    }
+    monitoring = {
+        "type": "object",
+        "default": {},
+        "properties": {
+            "serviceMonitor": {"type": "boolean", "default": False,
+                               "description": "render a ServiceMonitor and a PodMonitor "
+                                              "(prometheus-operator) instead of scrape annotations"},
+            "interval": {"type": "string", "default": "15s", "pattern": r"^[0-9]+(ms|s|m|h)$"},
+            "labels": {**_STRING_MAP, "description": "extra labels on the monitors (e.g. release: prometheus)"},
+        },
+    }
+    pod_template = {
+        "type": "object",
+        "default": {},
+        "description": "Merged into every pod of every group.",
+        "properties": {
+            "metadata": {
+                "type": "object",
+                "properties": {"labels": _STRING_MAP, "annotations": _STRING_MAP},
+            },
+            "nodeSelector": _STRING_MAP,
+            "tolerations": _free_list("core/v1 Toleration"),
+            "affinity": _free_object("core/v1 Affinity"),
+            "topologySpreadConstraints": _free_list("core/v1 TopologySpreadConstraint"),
+            "priorityClassName": {"type": "string"},
+            "runtimeClassName": {"type": "string"},
+            "schedulerName": {"type": "string"},
+            "serviceAccountName": {"type": "string"},
+            "imagePullSecrets": _free_list("core/v1 LocalObjectReference"),
+            "env": _free_list("core/v1 EnvVar (SHOAL_* names are reserved)"),
+            "envFrom": _free_list("core/v1 EnvFromSource"),
+            "volumes": _free_list("core/v1 Volume"),
+            "volumeMounts": _free_list("core/v1 VolumeMount"),
+            "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["model"],
+        "properties": {
+            "model": model,
+            "replicas": _int(1, 0, MAX_REPLICAS, "pod groups (when autoscaling is off)"),
+            "parallelism": parallelism,
+            "engine": engine,
+            "resources": resources,
+            "image": {"type": "string", "maxLength": 512,
+                      "description": "runtime image; defaults by accelerator (see docs/operator.md)"},
+            "autoscaling": autoscaling,
+            "rollout": rollout,
+            "monitoring": monitoring,
+            "podTemplate": pod_template,
+        },
+    }
+
+
+def _condition_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string"},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer"},
+        },
+    }
+
+
+def status_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "observedGeneration": {"type": "integer"},
+            "replicas": {"type": "integer"},
+            "readyReplicas": {"type": "integer"},
+            "updatedReplicas": {"type": "integer"},
+            "desiredReplicas": {"type": "integer"},
+            "selector": {"type": "string"},
+            "queueDepth": {"type": "integer"},
+            "revision": {"type": "string"},
+            "model": {"type": "string"},
+            "groups": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "revision": {"type": "string"},
+                        "ready": {"type": "boolean"},
+                        "pods": {"type": "integer", "description": "ready pods"},
+                        "queueDepth": {"type": "integer"},
+                        "restarts": {"type": "integer"},
+                        "terminating": {"type": "boolean"},
+                    },
+                },
+            },
+            "autoscaler": {
+                "type": "object",
+                "description": "the autoscaler's state (stabilization window), kept across restarts",
+                "properties": {
+                    "recommendations": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {"time": {"type": "number"}, "replicas": {"type": "integer"}},
+                        },
+                    },
+                    "lastScaleTime": {"type": "number"},
+                    "lastDirection": {"type": "string"},
+                },
+            },
+            "conditions": {
+                "type": "array",
+                "items": _condition_schema(),
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+        },
+        "x-kubernetes-preserve-unknown-fields": True,  # room for kopf's own bookkeeping
+    }
+
+
+def crd() -> dict[str, Any]:
+    root = {
+        "type": "object",
+        "description": "A served model: pod groups running `shoal serve`, rolled out and autoscaled.",
+        "x-kubernetes-validations": [RULE_NAME],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        "required": ["spec"],
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{PLURAL}.{GROUP}",
+            "labels": {"app.kubernetes.io/name": "shoal", "app.kubernetes.io/part-of": "shoal"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["all", "shoal"],
+            },
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": root},
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.replicas",
+                        "statusReplicasPath": ".status.replicas",
+                        "labelSelectorPath": ".status.selector",
+                    },
+                },
+                "additionalPrinterColumns": [
+                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
+                    {"name": "Replicas", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+                    {"name": "Queue", "type": "integer", "jsonPath": ".status.queueDepth"},
+                    {"name": "Available", "type": "string",
+                     "jsonPath": ".status.conditions[?(@.type==\"Available\")].status"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+            }],
+        },
+    }
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The structural schema of the served version (a copy)."""
+    return copy.deepcopy(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])

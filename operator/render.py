@@ -1,0 +1,496 @@
+"""Spec -> desired Kubernetes objects. Pure: no I/O, no clock, no randomness.
+
+One InferenceDeployment `NAME` owns:
+
+- per group: a StatefulSet `NAME-REV-IDX` of `pipeline` pods (Parallel pod management,
+  update strategy OnDelete: a group's pods never change in place, a change is a new
+  revision and new groups); pod `-0` is the leader;
+- `NAME-headless`: a headless Service over all pods, publishing not-ready addresses so
+  that workers find their leader (`SHOAL_LEADER_ADDR`) before the group is ready;
+- `NAME`: the traffic Service over the ready leaders (pod index 0), port 8000;
+- `NAME`: a PodDisruptionBudget (one pod, so one group, at a time);
+- with `monitoring.serviceMonitor`: a ServiceMonitor `NAME` (leaders, via the traffic
+  Service) and a PodMonitor `NAME-pods` (every group pod), else scrape annotations.
+
+Every object carries `shoal.dev/*` and `app.kubernetes.io/*` labels and, when the
+owner has a uid, a controller ownerReference to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from typing import Any
+
+from shoal.operator import crd, defaults
+
+HTTP_PORT = 8000
+DIST_PORT = 29500
+MODEL_MOUNT = "/models"
+SHM_GI_PER_TENSOR_RANK = 2
+STARTUP_SECONDS = 1800         # ceiling for loading a model; the probe passes as soon as /health does
+PRESTOP_SLEEP_SECONDS = 5      # lets endpoint removal reach the proxies before SIGTERM
+GRACE_MARGIN_SECONDS = 15
+RUN_AS_USER = 1000
+FIELD_MANAGER = "shoal-operator"
+
+L_DEPLOYMENT = "shoal.dev/deployment"
+L_GROUP = "shoal.dev/group"
+L_REVISION = "shoal.dev/revision"
+L_ROLE = "shoal.dev/role"
+L_INDEX = "shoal.dev/group-index"
+L_POD_INDEX = "apps.kubernetes.io/pod-index"
+A_SPEC_HASH = "shoal.dev/spec-hash"
+A_MODEL_REVISION = "shoal.dev/model-revision"
+RESERVED_ENV_PREFIX = "SHOAL_"
+
+
+# ---------------------------------------------------------------- names and labels
+
+def revision_name_part(revision: str) -> str:
+    return revision[:8]
+
+
+def group_name(name: str, revision: str, index: int) -> str:
+    return f"{name}-{revision_name_part(revision)}-{index}"
+
+
+def headless_name(name: str) -> str:
+    return f"{name}-headless"
+
+
+def leader_addr(name: str, namespace: str, group: str, cluster_domain: str = "cluster.local") -> str:
+    return f"{group}-0.{headless_name(name)}.{namespace}.svc.{cluster_domain}"
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "shoal",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "inference",
+        "app.kubernetes.io/part-of": "shoal",
+        "app.kubernetes.io/managed-by": "shoal-operator",
+        L_DEPLOYMENT: name,
+    }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {L_DEPLOYMENT: name}
+
+
+def leader_selector_labels(name: str) -> dict[str, str]:
+    return {L_DEPLOYMENT: name, L_POD_INDEX: "0"}
+
+
+def selector(name: str) -> str:
+    """The scale subresource's selector: one leader pod per group."""
+    return ",".join(f"{k}={v}" for k, v in leader_selector_labels(name).items())
+
+
+def _meta(body: dict[str, Any], name: str, labels: dict[str, str] | None = None,
+          annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    owner = body["metadata"]["name"]
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": body["metadata"].get("namespace") or "default",
+        "labels": {**common_labels(owner), **(labels or {})},
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    ref = owner_reference(body)
+    if ref:
+        meta["ownerReferences"] = [ref]
+    return meta
+
+
+def owner_reference(body: dict[str, Any]) -> dict[str, Any] | None:
+    uid = body["metadata"].get("uid")
+    if not uid:
+        return None
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "name": body["metadata"]["name"],
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def canonical_hash(obj: Any, length: int = 16) -> str:
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(data).hexdigest()[:length]
+
+
+# ---------------------------------------------------------------- model sources
+
+def model_plan(spec: dict[str, Any]) -> dict[str, Any]:
+    """How the pod gets the model: the MODEL argument, volumes, mounts, init containers."""
+    model = spec["model"]
+    source: str = model["source"]
+    plan: dict[str, Any] = {"arg": source, "volumes": [], "mounts": [], "init": []}
+    if source.startswith("file://"):
+        plan["arg"] = source[len("file://"):]
+    elif source.startswith("pvc://"):
+        claim, _, path = source[len("pvc://"):].partition("/")
+        plan["arg"] = posixpath.join(MODEL_MOUNT, path) if path else MODEL_MOUNT
+        plan["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        plan["mounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif source.startswith("hf://"):
+        repo = source[len("hf://"):]
+        target = posixpath.join(MODEL_MOUNT, repo)
+        plan["arg"] = target
+        cache: dict[str, Any] = {}
+        if model.get("cacheSize") is not None:
+            cache["sizeLimit"] = model["cacheSize"]
+        plan["volumes"].append({"name": "model-cache", "emptyDir": cache})
+        plan["mounts"].append({"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": True})
+        env = [
+            {"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
+            {"name": "SHOAL_MODEL_REPO", "value": repo},
+            {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
+            {"name": "SHOAL_MODEL_DIR", "value": target},
+        ]
+        secret = model.get("tokenSecret")
+        if secret:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": secret["name"], "key": secret.get("key", "token")}}})
+        script = (
+            "import os\n"
+            "from huggingface_hub import snapshot_download\n"
+            "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
+            " revision=os.environ['SHOAL_MODEL_REVISION'],"
+            " local_dir=os.environ['SHOAL_MODEL_DIR'])\n"
+        )
+        plan["init"].append({
+            "name": "fetch-model",
+            "command": ["python3", "-c", script],
+            "env": env,
+            "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT}],
+        })
+    return plan
+
+
+# ---------------------------------------------------------------- pods
+
+def serve_args(body: dict[str, Any], model_arg: str) -> list[str]:
+    spec = body["spec"]
+    eng, par = spec["engine"], spec["parallelism"]
+    served = spec["model"].get("servedName") or body["metadata"]["name"]
+    args = [
+        "serve", model_arg,
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--served-model-name", served,
+        "--tensor-parallel-size", str(par["tensor"]),
+        "--pipeline-parallel-size", str(par["pipeline"]),
+        "--max-num-seqs", str(eng["maxNumSeqs"]),
+        "--max-num-batched-tokens", str(eng["maxNumBatchedTokens"]),
+        "--max-model-len", str(eng["maxModelLen"]),
+        "--block-size", str(eng["blockSize"]),
+        "--enable-prefix-caching" if eng["enablePrefixCaching"] else "--no-enable-prefix-caching",
+        "--scheduling-policy", eng["schedulingPolicy"],
+        "--drain-timeout", str(eng["drainTimeoutSeconds"]),
+    ]
+    return args + list(eng.get("extraArgs") or [])
+
+
+def container_resources(spec: dict[str, Any]) -> dict[str, Any]:
+    res = spec.get("resources") or {}
+    tensor = spec["parallelism"]["tensor"]
+    out: dict[str, Any] = {}
+    for part in ("requests", "limits"):
+        if res.get(part):
+            out[part] = dict(res[part])
+    for key in defaults.accelerator_keys(spec):
+        # Accelerators are per pod = tensor ranks; extended resources need limits (requests follow).
+        out.setdefault("limits", {})[key] = tensor
+        if key in out.get("requests", {}):
+            out["requests"][key] = tensor
+    return out
+
+
+def scrape_annotations(spec: dict[str, Any]) -> dict[str, str]:
+    if spec["monitoring"]["serviceMonitor"]:
+        return {}
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT), "prometheus.io/path": "/metrics"}
+
+
+def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = "cluster.local") -> dict[str, Any]:
+    """The pod template of one group. With group=None: the revision's template (what is hashed)."""
+    spec = body["spec"]
+    name = body["metadata"]["name"]
+    namespace = body["metadata"].get("namespace") or "default"
+    par = spec["parallelism"]
+    user = spec.get("podTemplate") or {}
+    model = model_plan(spec)
+
+    env: list[dict[str, Any]] = [
+        {"name": "SHOAL_PIPELINE_RANK", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.labels['{L_POD_INDEX}']"}}},
+        {"name": "SHOAL_PIPELINE_SIZE", "value": str(par["pipeline"])},
+        {"name": "SHOAL_TENSOR_SIZE", "value": str(par["tensor"])},
+        {"name": "SHOAL_DIST_PORT", "value": str(DIST_PORT)},
+        {"name": "SHOAL_MODEL_REVISION", "value": spec["model"].get("revision", "main")},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    if group is not None:
+        env[:0] = [
+            {"name": "SHOAL_GROUP", "value": group},
+            {"name": "SHOAL_LEADER_ADDR", "value": leader_addr(name, namespace, group, cluster_domain)},
+        ]
+    env += [e for e in (user.get("env") or []) if not str(e.get("name", "")).startswith(RESERVED_ENV_PREFIX)]
+
+    drain = spec["engine"]["drainTimeoutSeconds"]
+    container: dict[str, Any] = {
+        "name": "shoal",
+        "image": defaults.image_for(spec),
+        "command": ["shoal"],
+        "args": serve_args(body, model["arg"]),
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"},
+        ],
+        "env": env,
+        "resources": container_resources(spec),
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10, "failureThreshold": STARTUP_SECONDS // 10, "timeoutSeconds": 5,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3,
+        },
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}] + model["mounts"]
+                        + list(user.get("volumeMounts") or []),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if user.get("envFrom"):
+        container["envFrom"] = list(user["envFrom"])
+    if user.get("imagePullPolicy"):
+        container["imagePullPolicy"] = user["imagePullPolicy"]
+
+    init: list[dict[str, Any]] = []
+    for ic in model["init"]:
+        init.append({**ic, "image": container["image"], "securityContext": container["securityContext"],
+                     "resources": {}})
+    if par["pipeline"] > 1:
+        # Workers join the leader: wait until the leader's rendezvous port answers (rank 0 skips).
+        wait = (
+            "import os, socket, sys, time\n"
+            "if os.environ['SHOAL_PIPELINE_RANK'] == '0': sys.exit(0)\n"
+            "addr, port = os.environ['SHOAL_LEADER_ADDR'], int(os.environ['SHOAL_DIST_PORT'])\n"
+            "while True:\n"
+            "    try:\n"
+            "        socket.create_connection((addr, port), timeout=2).close(); break\n"
+            "    except OSError:\n"
+            "        print('waiting for leader', addr, port, flush=True); time.sleep(2)\n"
+        )
+        init.append({
+            "name": "wait-for-leader",
+            "image": container["image"],
+            "command": ["python3", "-c", wait],
+            "env": [e for e in env if e["name"] in ("SHOAL_PIPELINE_RANK", "SHOAL_LEADER_ADDR", "SHOAL_DIST_PORT")],
+            "securityContext": container["securityContext"],
+            "resources": {},
+        })
+
+    shm_limit = f"{max(1, par['tensor']) * SHM_GI_PER_TENSOR_RANK}Gi"
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}}]
+                   + model["volumes"] + list(user.get("volumes") or []),
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain + GRACE_MARGIN_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "enableServiceLinks": False,
+    }
+    if init:
+        pod_spec["initContainers"] = init
+    for key in ("nodeSelector", "affinity", "priorityClassName", "runtimeClassName", "schedulerName",
+                "serviceAccountName", "imagePullSecrets", "tolerations", "topologySpreadConstraints"):
+        if user.get(key):
+            pod_spec[key] = user[key]
+
+    user_meta = user.get("metadata") or {}
+    labels = {**(user_meta.get("labels") or {}), **common_labels(name)}
+    annotations = {**(user_meta.get("annotations") or {}), **scrape_annotations(spec),
+                   A_MODEL_REVISION: spec["model"].get("revision", "main")}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def revision_hash(body: dict[str, Any]) -> str:
+    """Hash of everything that reaches a pod (the group-independent pod template)."""
+    return canonical_hash(pod_template(body, group=None), length=8)
+
+
+# ---------------------------------------------------------------- objects
+
+def _stamp(obj: dict[str, Any]) -> dict[str, Any]:
+    """Record the hash of the desired object, so re-applying an unchanged one is skipped."""
+    obj["metadata"].setdefault("annotations", {})[A_SPEC_HASH] = canonical_hash(obj)
+    return obj
+
+
+def group_statefulset(body: dict[str, Any], revision: str, index: int,
+                      cluster_domain: str = "cluster.local") -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    group = group_name(name, revision, index)
+    group_labels = {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}
+    template = pod_template(body, group, cluster_domain)
+    template["metadata"]["labels"].update(group_labels)
+    return _stamp({
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(body, group, group_labels),
+        "spec": {
+            "replicas": body["spec"]["parallelism"]["pipeline"],
+            "serviceName": headless_name(name),
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": {L_DEPLOYMENT: name, L_GROUP: group}},
+            "template": template,
+        },
+    })
+
+
+def headless_service(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(body, headless_name(name), {"shoal.dev/service": "headless"}),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "dist", "port": DIST_PORT, "targetPort": "dist", "protocol": "TCP"},
+            ],
+        },
+    })
+
+
+def traffic_service(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(body, name, {"shoal.dev/service": "traffic"}),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": leader_selector_labels(name),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def pod_disruption_budget(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return _stamp({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(body, name),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    })
+
+
+def _relabelings() -> list[dict[str, Any]]:
+    return [
+        {"sourceLabels": ["__meta_kubernetes_pod_label_shoal_dev_deployment"], "targetLabel": "inference_deployment"},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_shoal_dev_group"], "targetLabel": "group"},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_shoal_dev_revision"], "targetLabel": "revision"},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index"], "targetLabel": "pipeline_rank"},
+    ]
+
+
+def service_monitor(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    mon = body["spec"]["monitoring"]
+    return _stamp({
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(body, name, dict(mon.get("labels") or {})),
+        "spec": {
+            "selector": {"matchLabels": {L_DEPLOYMENT: name, "shoal.dev/service": "traffic"}},
+            "namespaceSelector": {"matchNames": [body["metadata"].get("namespace") or "default"]},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": mon["interval"],
+                           "relabelings": _relabelings()}],
+        },
+    })
+
+
+def pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    mon = body["spec"]["monitoring"]
+    return _stamp({
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta(body, f"{name}-pods", dict(mon.get("labels") or {})),
+        "spec": {
+            # workers only: leaders are scraped once, by the ServiceMonitor over the traffic Service
+            "selector": {"matchLabels": selector_labels(name),
+                         "matchExpressions": [{"key": L_POD_INDEX, "operator": "NotIn", "values": ["0"]}]},
+            "namespaceSelector": {"matchNames": [body["metadata"].get("namespace") or "default"]},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": mon["interval"],
+                                     "relabelings": _relabelings()}],
+        },
+    })
+
+
+def shared_objects(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The objects that do not depend on groups (Services, PDB, monitors)."""
+    objs = [headless_service(body), traffic_service(body), pod_disruption_budget(body)]
+    if body["spec"]["monitoring"]["serviceMonitor"]:
+        objs += [service_monitor(body), pod_monitor(body)]
+    return objs
+
+
+def monitor_objects_absent(body: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the monitors that must not exist (monitoring switched off)."""
+    name = body["metadata"]["name"]
+    if body["spec"]["monitoring"]["serviceMonitor"]:
+        return []
+    return [("monitoring.coreos.com/v1", "ServiceMonitor", name),
+            ("monitoring.coreos.com/v1", "PodMonitor", f"{name}-pods")]
+
+
+def desired_replicas(body: dict[str, Any]) -> int:
+    spec, status = body["spec"], body.get("status") or {}
+    if spec["autoscaling"]["enabled"]:
+        lo, hi = spec["autoscaling"]["minReplicas"], spec["autoscaling"]["maxReplicas"]
+        current = status.get("desiredReplicas")
+        if current is None:
+            current = spec.get("replicas", lo)
+        return max(lo, min(hi, int(current)))
+    return int(spec["replicas"])
+
+
+def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> list[dict[str, Any]]:
+    """Everything the controller creates for a fresh resource (defaults applied first)."""
+    body = defaults.apply_defaults(body)
+    revision = revision_hash(body)
+    groups = [group_statefulset(body, revision, i, cluster_domain) for i in range(desired_replicas(body))]
+    return shared_objects(body) + groups

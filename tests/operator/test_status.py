@@ -1,0 +1,59 @@
+"""Conditions follow Kubernetes conventions: observedGeneration, stable lastTransitionTime."""
+
+from __future__ import annotations
+
+from shoal.operator import defaults, status
+from shoal.operator.rollout import Group
+from shoal_op_helpers import make_body
+
+
+def build(body, groups, desired=2, revision="new", **kw):
+    return status.build(body=body, groups=groups, group_details={}, revision=revision, desired=desired,
+                        selector="s", now=kw.pop("now", 1000.0), **kw)
+
+
+def conds(st):
+    return {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
+
+
+def body_with(generation=3, st=None):
+    b = defaults.apply_defaults(make_body())
+    b["metadata"]["generation"] = generation
+    if st:
+        b["status"] = st
+    return b
+
+
+def test_rollout_in_progress_then_complete():
+    b = body_with()
+    st = build(b, [Group("o", "old", 0, True), Group("o2", "old", 1, True), Group("n", "new", 0, False)])
+    assert conds(st) == {"Available": ("True", "MinimumGroupsAvailable"),
+                         "Progressing": ("True", "RolloutInProgress"), "Degraded": ("False", "AsExpected")}
+    assert st["observedGeneration"] == 3 and all(c["observedGeneration"] == 3 for c in st["conditions"])
+    assert st["replicas"] == 3 and st["readyReplicas"] == 2 and st["updatedReplicas"] == 1
+    done = build(body_with(st=st), [Group("n", "new", 0, True), Group("n1", "new", 1, True)], now=2000.0)
+    assert conds(done)["Progressing"] == ("False", "RolloutComplete")
+    # Available did not change: its lastTransitionTime is kept; Progressing flipped: it is new.
+    t = {c["type"]: c["lastTransitionTime"] for c in done["conditions"]}
+    t0 = {c["type"]: c["lastTransitionTime"] for c in st["conditions"]}
+    assert t["Available"] == t0["Available"] and t["Progressing"] != t0["Progressing"]
+
+
+def test_unavailable_scaling_and_degraded():
+    b = body_with()
+    st = build(b, [Group("n", "new", 0, False)], failing=["n"])
+    assert conds(st)["Available"] == ("False", "MinimumGroupsUnavailable")
+    assert conds(st)["Progressing"] == ("True", "ScalingUp")
+    assert conds(st)["Degraded"] == ("True", "GroupFailing")
+    st = build(b, [Group("n", "new", 0, True)], desired=1, error="boom")
+    assert conds(st)["Degraded"] == ("True", "ReconcileError")
+    st = build(b, [Group("n", "new", 0, True), Group("m", "new", 1, True)], desired=1)
+    assert conds(st)["Progressing"] == ("True", "ScalingDown")
+
+
+def test_terminating_groups_are_shown_but_not_counted():
+    st = build(body_with(), [Group("n", "new", 0, True), Group("n1", "new", 1, True),
+                             Group("x", "old", 0, False, terminating=True)])
+    assert st["replicas"] == 2 and conds(st)["Progressing"][1] == "RolloutComplete"
+    assert [g["terminating"] for g in st["groups"]] == [True if g["name"] == "x" else False for g in st["groups"]]
+    assert status.same(st, dict(st, conditions=[dict(c, lastTransitionTime="x") for c in st["conditions"]]))

@@ -1,0 +1,199 @@
+"""Launching a group: shapes refused up front, the SHOAL_* pod-group launch (one process
+per "pod") agreeing with the local launch, and a dead rank taking the whole group down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel_helpers import kv_memory, single_rank
+from shoal.runtime.executor import launch
+
+MAIN = str(Path(__file__).resolve().parent / "group_main.py")
+EXIT_WITHIN = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pod_env(pipeline_rank: int, tp: int, pp: int, port: int) -> dict:
+    env = dict(os.environ, SHOAL_GROUP="test-group", SHOAL_PIPELINE_RANK=str(pipeline_rank), SHOAL_PIPELINE_SIZE=str(pp),
+               SHOAL_TENSOR_SIZE=str(tp), SHOAL_LEADER_ADDR="127.0.0.1", SHOAL_DIST_PORT=str(port), SHOAL_NUM_THREADS="1")
+    return env
+
+
+def local_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHOAL_") or k in ("SHOAL_CACHE", "SHOAL_NUM_THREADS")}
+
+
+def start(role: str, model, shape: tuple[int, int], env: dict, *args) -> subprocess.Popen:
+    """One group process. In a pod group its flags say tensor 1 x pipeline 1 on purpose:
+    the SHOAL_* environment gives the shape; the KV cache is sized for `shape`."""
+    from shoal.runtime.models.loader import load_config
+
+    kv = kv_memory(load_config(model), *shape)
+    tp, pp = (1, 1) if "SHOAL_PIPELINE_RANK" in env else shape
+    return subprocess.Popen([sys.executable, MAIN, role, str(model), str(tp), str(pp), str(kv), *args], env=env,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for_line(proc: subprocess.Popen, word: str, timeout: float = 180.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process exited ({proc.wait()}) before printing {word}")
+        if line.startswith(word):
+            return line
+    raise AssertionError(f"no {word} within {timeout}s")
+
+
+def reap(*procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_unsplittable_model_is_refused_before_any_process_starts(builtin_dir, monkeypatch):
+    from shoal import LLM
+
+    def no_spawn(*a, **k):
+        raise AssertionError("a rank was started for a shape that cannot work")
+
+    monkeypatch.setattr(launch, "spawn_rank", no_spawn)
+    monkeypatch.setattr(launch, "open_leader_store", no_spawn)
+    with pytest.raises(ValueError, match=r"9 attention heads are not divisible by tensor_parallel_size 2.*\[1, 3\]"):
+        LLM(str(builtin_dir), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("tp,pp,ok", [(4, 1, True), (2, 4, True), (3, 1, False), (8, 1, False), (1, 5, False)])
+def test_check_parallel_shape(tp, pp, ok):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=4)
+    if ok:
+        launch.check_parallel_shape(cfg, tp, pp)
+    else:
+        with pytest.raises(ValueError, match="cannot run this model"):
+            launch.check_parallel_shape(cfg, tp, pp)
+    with pytest.raises(ValueError, match="cannot split 4 layers"):
+        launch.check_parallel_shape(cfg, 1, 2, [4, 0])
+
+
+def test_group_from_env(monkeypatch):
+    from shoal.runtime.config import EngineConfig
+
+    assert launch.group_from_env() is None
+    for k, v in pod_env(1, 2, 3, 29500).items():
+        if k.startswith("SHOAL_"):
+            monkeypatch.setenv(k, v)
+    config = EngineConfig()
+    spec = launch.group_from_env(config)
+    assert (spec.tensor, spec.pipeline, spec.pipeline_rank, spec.port, spec.local_ranks()) == (2, 3, 1, 29500, [2, 3])
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
+    with pytest.raises(ValueError, match="disagrees"):
+        launch.group_from_env(EngineConfig(tensor_parallel_size=4))
+
+
+# ---------------------------------------------------------------- pod-group launch
+
+
+def test_pod_group_launch_matches_local_launch(tiny_dir, tmp_path):
+    """tensor 2 x pipeline 2 as two "pods" started separately: the worker pod first (it
+    waits for its leader), each pod running its own two tensor ranks."""
+    tp, pp, port, probe = 2, 2, free_port(), free_port()
+    out = tmp_path / "tokens.json"
+    worker = start("worker", tiny_dir, (tp, pp), pod_env(1, tp, pp, port), "--port", str(probe))
+    time.sleep(1)
+    leader = start("leader", tiny_dir, (tp, pp), pod_env(0, tp, pp, port), "--out", str(out), "--probe-port", str(probe))
+    try:
+        assert leader.wait(300) == 0
+        assert worker.wait(60) == 0  # told to stop: a clean exit
+    finally:
+        reap(leader, worker)
+    result = json.loads(out.read_text())
+    assert result["ready"] and result["/health"] == 200 and result["/ready"] == 200
+    assert result["preemptions"] > 0
+    assert result["tokens"] == single_rank(tiny_dir)
+
+
+# ---------------------------------------------------------------- failure
+
+
+def _assert_all_exit(procs: dict, pids: list[int], started: float) -> None:
+    for name, p in procs.items():
+        code = p.wait(max(1.0, EXIT_WITHIN - (time.monotonic() - started)))
+        assert code != 0, f"{name} exited 0 after a rank died"
+    while any(alive(pid) for pid in pids) and time.monotonic() - started < EXIT_WITHIN:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if alive(pid)], "rank processes left behind"
+
+
+def test_killing_a_worker_pod_rank_ends_the_group(tiny_dir):
+    """Kill rank 3 (the worker pod's second tensor rank) mid-generation: both pods and the
+    leader's own tensor rank exit non-zero within 30 s."""
+    tp, pp, port = 2, 2, free_port()
+    worker = start("worker", tiny_dir, (tp, pp), pod_env(1, tp, pp, port), "--port", "0")
+    leader = start("leader", tiny_dir, (tp, pp), pod_env(0, tp, pp, port), "--forever")
+    try:
+        pids = [int(x) for x in wait_for_line(leader, "PIDS").split()[1:]]
+        wait_for_line(leader, "GENERATING")
+        victim = children_of(worker.pid)
+        assert len(victim) == 1
+        os.kill(victim[0], signal.SIGKILL)
+        started = time.monotonic()
+        _assert_all_exit({"leader pod": leader, "worker pod": worker}, pids[1:], started)
+        assert time.monotonic() - started < EXIT_WITHIN
+    finally:
+        reap(leader, worker)
+
+
+@pytest.mark.parametrize("victim", ["leader", "worker"])
+def test_killing_a_rank_of_a_local_launch_ends_the_group(tiny_dir, victim):
+    """Local launch, pipeline 2: kill either rank mid-generation; the other exits (the
+    leader non-zero) within 30 s and no process is left behind."""
+    leader = start("leader", tiny_dir, (1, 2), local_env(), "--forever")
+    try:
+        pids = [int(x) for x in wait_for_line(leader, "PIDS").split()[1:]]
+        wait_for_line(leader, "GENERATING")
+        assert len(pids) == 2
+        os.kill(pids[0] if victim == "leader" else pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        if victim == "worker":
+            _assert_all_exit({"leader": leader}, pids[1:], started)
+        else:
+            leader.wait(5)
+            _assert_all_exit({}, pids[1:], started)
+    finally:
+        reap(leader)
