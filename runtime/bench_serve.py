@@ -275,6 +275,7 @@ def http_overhead(items: list[Item], engine_args: list[str], engine_kwargs: dict
     import gc
 
     offline = offline_throughput(items, engine_kwargs)
+    print(f"offline: {offline['output_tokens']} tokens in {offline['duration_s']:.1f} s = {offline['output_throughput']:.1f} tok/s", flush=True)
     gc.collect()
     port = _free_port()
     base = f"http://127.0.0.1:{port}"

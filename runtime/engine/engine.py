@@ -15,6 +15,7 @@ from shoal.runtime.engine import detokenizer
 from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Status
 from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.runtime.executor.executor import make_executor
+from shoal.runtime.executor.model_runner import pad_rows
 from shoal.runtime.executor.model_runner import prepare
 from shoal.runtime.layers.sampler import sample
 from shoal.runtime.models.loader import load_config, load_tokenizer, resolve_model
@@ -74,6 +75,8 @@ class LLMEngine:
         if model_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache's %d tokens; capping it", model_len, capacity)
         self.max_model_len = min(model_len, capacity)
+        planner = getattr(self.executor, "decode_planner", None)
+        self.decode_rows = planner(num_blocks * self.executor.kv_bytes_per_block()) if planner else None
         self.load_times["kv_cache"] = time.perf_counter() - t
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                  num_blocks * self.executor.kv_bytes_per_block() / 2**30)
@@ -143,8 +146,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
         rows, targets = self._sample_targets(batch)
-        logits = self.executor.execute(prepare(batch, rows, self.block_size))
+        logits = self.executor.execute(prepare(batch, rows, self.block_size, plan))
         result = sample(logits, targets, self.eos_ids)
         self.scheduler.after_step(batch)
         now = time.time()

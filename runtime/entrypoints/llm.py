@@ -63,8 +63,12 @@ class LLM:
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool | None = None, **template_kwargs):
         """One conversation (a list of {"role", "content"}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # the template already holds the special tokens: tokenize without adding them again
         prompts = [
-            self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **template_kwargs)
+            self.tokenizer(
+                self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **template_kwargs),
+                add_special_tokens=False,
+            ).input_ids
             for c in conversations
         ]
         return self.generate(prompts, params, use_tqdm)

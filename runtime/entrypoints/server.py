@@ -169,7 +169,7 @@ class ServerState:
             return False, why
         if not self.engine.ready:
             return False, f"engine {self.engine.state}"
-        group_ready = getattr(self.engine.engine, "group_ready", None)
+        group_ready = getattr(getattr(self.engine.engine, "executor", None), "group_ready", None)
         if not self.group_joined.is_set() or (callable(group_ready) and not group_ready()):
             return False, "waiting for the parallel group to join"
         return True, "ready"
@@ -707,6 +707,11 @@ def serve(args) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("shoal").setLevel(level)
     config = EngineConfig.from_args(args)
+    from shoal.runtime.executor.launch import run_worker_pod_if_needed
+
+    # a pod group's worker pod runs its ranks (and tiny probes) instead of the server
+    if run_worker_pod_if_needed(config, host=args.host, port=args.port):
+        return 0
     state = ServerState(
         config,
         api_key=args.api_key,

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class DistributedExecutor:
         self.closed = False
         self._lock = threading.Lock()
         self.children = []
+        self._in_flight: list[PendingStep] = []
         if str(config.device) == "cpu":
             torch.set_num_threads(launch.threads_per_rank(len(spec.local_ranks())))
         elif str(config.device).startswith("cuda"):
@@ -70,6 +72,9 @@ class DistributedExecutor:
             self.m = launch.join_group(spec, 0, launch.backend_for(config), store=self._store, join_timeout=join_timeout)
             self.runner = ModelRunner(config, hf_config, model_dir, max_model_len, self.m.state, layer_split)
             self.m.store.set("ready/0", "1")
+            others = [f"ready/{r}" for r in range(1, spec.world_size)]
+            self.m.store.wait(others, timedelta(seconds=join_timeout))  # every rank has loaded its shard
+            self.watchdog.joined = True
         except BaseException:
             self._teardown(clean=False)
             raise
@@ -99,6 +104,23 @@ class DistributedExecutor:
     def execute(self, step):
         return self._call(("step", step), timed=True)
 
+    def execute_async(self, step) -> "PendingStep":
+        """Start a step and return once stage 0 has handed it on: the caller may start the
+        next (independent) step while later stages still work on this one. Collect results
+        in order with .result(). At most `pipeline_parallel_size` steps are worth keeping in
+        flight; a step must not depend on the tokens of a step still in flight."""
+        if self.failed:
+            raise GroupFailed(f"the parallel group failed: {self.failed}")
+        if self.closed:
+            raise RuntimeError("the executor is shut down")
+        worker.broadcast(("step", step), self.m)
+        logits, works = worker.start_step(self.runner, self.m, step)
+        pending = PendingStep(self, logits, works)
+        self._in_flight.append(pending)
+        if self.watchdog.step_started is None:
+            self.watchdog.step_started = time.monotonic()
+        return pending
+
     def group_ready(self) -> bool:
         """Every rank joined and loaded, none dead or silent (the server's /ready)."""
         return not self.closed and self.failed is None and self.watchdog.joined
@@ -110,6 +132,8 @@ class DistributedExecutor:
             self.closed = True
         try:
             if self.failed is None:
+                for pending in list(self._in_flight):  # let the pipe drain first
+                    pending.result()
                 self.m.store.set("stop", "1")
                 worker.broadcast(("stop",), self.m)
         except Exception as e:
@@ -173,6 +197,31 @@ class DistributedExecutor:
             except Exception as e:
                 log.warning("destroy_process_group: %s", e)
         self._store = None
+
+
+class PendingStep:
+    """A step in the pipe (execute_async); .result() waits for its logits [S, V]."""
+
+    def __init__(self, executor: DistributedExecutor, logits, works):
+        self.executor, self.logits, self.works = executor, logits, works
+        self.done = not works
+
+    def result(self):
+        ex = self.executor
+        if not self.done:
+            try:
+                for w in self.works:
+                    if isinstance(w, dist.Work):
+                        w.wait()
+            except Exception as e:
+                if ex.failed:
+                    raise GroupFailed(f"the parallel group failed: {ex.failed}") from e
+                raise
+            self.done, self.works = True, []
+        if self in ex._in_flight:
+            ex._in_flight.remove(self)
+            ex.watchdog.step_started = time.monotonic() if ex._in_flight else None
+        return self.logits
 
 
 def _with_device(config, device: str):

@@ -12,6 +12,7 @@ import torch
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.engine.scheduler import ScheduledBatch
 from shoal.runtime.layers.attention import AttentionMetadata
+from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.models.llama import LlamaForCausalLM
 from shoal.runtime.models.loader import iter_weights
 
@@ -31,12 +32,12 @@ class StepInput:
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
 
 
-def _pad(rows: list[list[int]]) -> torch.Tensor:
+def pad_rows(rows: list[list[int]]) -> torch.Tensor:
     width = max(len(r) for r in rows)
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
-def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int) -> StepInput:
+def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None) -> StepInput:
     """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs."""
     nd = batch.num_decodes
     decodes = batch.seqs[:nd]
@@ -58,13 +59,14 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int) -> S
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long),
         num_decode_tokens=nd,
-        decode_block_tables=_pad([s.block_table for s in decodes]) if decodes else None,
+        decode_block_tables=pad_rows([s.block_table for s in decodes]) if decodes and decode_plan is None else None,
         decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long) if decodes else None,
-        prefill_block_tables=_pad([s.block_table for s in prefills]) if prefills else None,
+        prefill_block_tables=pad_rows([s.block_table for s in prefills]) if prefills else None,
         prefill_query_start_loc=torch.tensor(starts, dtype=torch.long) if prefills else None,
         prefill_context_lens=torch.tensor([s.num_computed + n for s, n in zip(prefills, batch.num_new_tokens[nd:])], dtype=torch.long)
         if prefills
         else None,
+        decode_plan=decode_plan,
     )
     return StepInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(sample_rows, dtype=torch.long))
 
@@ -87,6 +89,7 @@ class ModelRunner:
         self.model = model.to(self.dtype).eval()
         self.model.cos_sin = self.model.cos_sin.float()
         self.kv_caches: list[torch.Tensor] = []
+        self.workspaces: list | None = None  # the decode mirror (torch backend), per layer
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -115,6 +118,14 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device).permute(0, 2, 3, 1, 4) for _ in m.layers
         ]
 
+    def decode_planner(self, kv_cache_bytes: int) -> DecodeRows | None:
+        """The workspace planner for the torch backend (CPU), at most twice the KV cache."""
+        if self.ops.backend != "torch":
+            return None
+        m = self.model
+        per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return DecodeRows(2 * kv_cache_bytes, per_token)
+
     def copy_block(self, src: int, dst: int) -> None:
         for cache in self.kv_caches:
             cache[:, dst].copy_(cache[:, src])
@@ -125,8 +136,14 @@ class ModelRunner:
         other stages: (hidden, residual) for the next stage."""
         dev = self.device
         meta = AttentionMetadata(**{k: _to(v, dev) for k, v in vars(step.meta).items()})
+        plan = meta.decode_plan
+        if plan is not None and (plan.reset or self.workspaces is None):
+            self.workspaces = None  # free the old mirror before allocating the new one
+            m = self.model
+            self.workspaces = [new_workspace(plan, m.num_kv_heads, m.head_dim, self.dtype, dev) for _ in m.layers]
+        layer_caches = list(zip(self.kv_caches, self.workspaces or [None] * len(self.kv_caches)))
         hidden, residual = self.model(
-            self.ops, step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta, hidden, residual
+            self.ops, step.input_ids.to(dev), step.positions.to(dev), layer_caches, meta, hidden, residual
         )
         if not self.state.is_last_stage:
             return hidden, residual

@@ -71,6 +71,24 @@ def run_step(runner, m: Membership, step):
     return out if m.rank == 0 else None
 
 
+@torch.inference_mode()
+def start_step(runner, m: Membership, step):
+    """The leader's side of a step, without waiting for the pipeline: run stage 0, hand the
+    hidden states on, and post the receive of the logits. Returns (logits buffer, pending
+    works); the logits are there once every work has been waited on."""
+    st, tp = m.state, m.state.tp_size
+    out = runner.execute(step)
+    if st.is_last_stage:  # one stage: nothing in flight
+        return out, []
+    sent = torch.stack(out).contiguous()
+    works = [dist.isend(sent, dst=m.rank + tp)]
+    num_rows = step.sample_rows.shape[0]
+    logits = torch.empty(num_rows, runner.hf_config.vocab_size, dtype=torch.float32, device=runner.device)
+    if num_rows:
+        works.append(dist.irecv(logits, src=(st.pp_size - 1) * tp))
+    return logits, works + [sent]  # keep the sent tensor alive until its send completes
+
+
 def handle(message, runner, m: Membership):
     """Do one message's work on this rank. Returns False on "stop"."""
     kind = message[0]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.runtime.layers.decode_workspace import DecodePlan, decode_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -23,19 +25,28 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # [Bp, nb]
     prefill_query_start_loc: torch.Tensor | None  # [Bp + 1], offsets within the prefill tokens
     prefill_context_lens: torch.Tensor | None  # [Bp]
+    decode_plan: DecodePlan | None = None  # torch backend: decode from the workspace mirror
 
 
-def attend(ops, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, h, d], k/v [T, kvh, d], kv_cache [2, num_blocks, block_size, kvh, d] -> [T, h, d]."""
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, h, d], k/v [T, kvh, d] -> [T, h, d]. layer_cache is (kv, workspace): kv is
+    [2, num_blocks, block_size, kvh, d]; workspace is the decode mirror, or None."""
+    kv, workspace = layer_cache
+    k_cache, v_cache = kv[0], kv[1]
     ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
+
+    def decode():
+        if meta.decode_plan is not None:
+            return decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, workspace, meta.decode_plan,
+                                    meta.decode_context_lens, scale)
+        return ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+
     if nd == q.shape[0]:
-        return ops.paged_attention_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return decode()
     prefill = ops.paged_attention_prefill(
         q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, scale
     )
     if nd == 0:
         return prefill
-    decode = ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-    return torch.cat((decode, prefill))
+    return torch.cat((decode(), prefill))

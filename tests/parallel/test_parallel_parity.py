@@ -33,3 +33,31 @@ def test_builtin_model_matches_single_rank(builtin_dir, tp, pp):
     tokens, stats = generate(builtin_dir, tp, pp, mixed_prompts())
     assert stats.num_preemptions > 0
     assert tokens == single_rank(builtin_dir)
+
+
+def test_execute_async_keeps_two_batches_in_the_pipe(tiny_dir):
+    """Two independent decode batches in flight at once give the logits of one at a time."""
+    import torch
+
+    from bench_pipeline import decode_step
+    from shoal.runtime.config import EngineConfig
+    from shoal.runtime.executor.distributed_executor import DistributedExecutor
+    from shoal.runtime.models.loader import load_config
+
+    cfg = load_config(tiny_dir)
+    ex = DistributedExecutor(EngineConfig(model=str(tiny_dir), pipeline_parallel_size=2), cfg, tiny_dir, 256)
+    try:
+        ex.allocate_kv_cache(16)
+        a, b = (decode_step(first, 4, 20, 16, cfg.vocab_size) for first in (0, 4))
+        want_a, want_b = ex.execute(a), ex.execute(b)
+        fa = ex.execute_async(a)
+        fb = ex.execute_async(b)
+        assert len(ex._in_flight) == 2
+        got_a = fa.result()
+        fa = ex.execute_async(a)
+        got_b, got_a2 = fb.result(), fa.result()
+        assert torch.equal(got_a, want_a) and torch.equal(got_b, want_b) and torch.equal(got_a2, want_a)
+        assert not ex._in_flight and ex.group_ready()
+    finally:
+        ex.shutdown()
+    assert all(c.poll() == 0 for c in ex.children)
