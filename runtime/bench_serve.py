@@ -246,17 +246,6 @@ def _wait_ready(base_url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"shoal serve not ready after {timeout:.0f}s")
 
 
-# `shoal serve ARGS`, through the serve subcommand's own parser (independent of the other subcommands).
-_SERVE = (
-    "import argparse, sys\n"
-    "from shoal.runtime.entrypoints import serve_args\n"
-    "p = argparse.ArgumentParser(prog='shoal serve')\n"
-    "serve_args.add_arguments(p)\n"
-    "a = p.parse_args(sys.argv[1:])\n"
-    "sys.exit(int(a.func(a) or 0))\n"
-)
-
-
 def offline_throughput(items: list[Item], engine_kwargs: dict) -> dict:
     from shoal import LLM, SamplingParams
 
@@ -280,7 +269,7 @@ def http_overhead(items: list[Item], engine_args: list[str], engine_kwargs: dict
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, SHOAL_ACCESS_LOG="0")
-    cmd = [sys.executable, "-c", _SERVE, "--host", "127.0.0.1", "--port", str(port), "--max-waiting", str(max(512, len(items))), *engine_args]
+    cmd = [sys.executable, "-m", "shoal.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--max-waiting", str(max(512, len(items))), *engine_args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(base, proc, startup_timeout)

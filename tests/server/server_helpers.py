@@ -25,25 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_LAUNCH_SERVE_ONLY = (
-    "import argparse, sys\n"
-    "from shoal.runtime.entrypoints import serve_args\n"
-    "p = argparse.ArgumentParser(prog='shoal serve')\n"
-    "serve_args.add_arguments(p)\n"
-    "a = p.parse_args(sys.argv[1:])\n"
-    "sys.exit(int(a.func(a) or 0))\n"
-)
-
-
 def _command(args: list[str]) -> list[str]:
-    """`shoal serve ARGS` through the top-level CLI (`python -m shoal.runtime.cli`, what the
-    console script runs). While the CLI cannot import yet (a sibling subcommand missing), the
-    same `serve` subcommand parser is driven directly."""
-    import importlib.util
-
-    if importlib.util.find_spec("shoal.runtime.bench_args") is not None:
-        return [sys.executable, "-m", "shoal.runtime.cli", "serve", *args]
-    return [sys.executable, "-c", _LAUNCH_SERVE_ONLY, *args]
+    """`shoal serve ARGS` through the top-level CLI (what the console script runs)."""
+    return [sys.executable, "-m", "shoal.runtime.cli", "serve", *args]
 
 
 @dataclass
