@@ -13,6 +13,7 @@ from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.engine.scheduler import ScheduledBatch
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
+from shoal.runtime.layers.linear import pack_for_cpu
 from shoal.runtime.models.llama import LlamaForCausalLM
 from shoal.runtime.models.loader import iter_weights
 
@@ -88,6 +89,8 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(self.dtype).eval()
         self.model.cos_sin = self.model.cos_sin.float()
+        if pack_for_cpu(self.model):
+            log.info("linear weights prepacked for oneDNN")
         self.kv_caches: list[torch.Tensor] = []
         self.workspaces: list | None = None  # the decode mirror (torch backend), per layer
 
