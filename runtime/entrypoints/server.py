@@ -556,27 +556,12 @@ def build_app(state: ServerState) -> FastAPI:
                     out.append(chunk(index, d.text, lp, d.finish_reason, d.stop_reason if d.finish_reason else None))
             return out
 
-        async def gen():
-            try:
-                first = []
-                for p, text in echo_text.items():
-                    for i in range(req.n):
-                        offsets[p * req.n + i] = len(text)
-                        first.append(chunk(p * req.n + i, text, None, None))
-                if first:
-                    yield "".join(first)
-                async for parts in _stream_items(job, early):
-                    yield "".join(render(parts))
-                if include_usage:
-                    yield _sse(dict(base, choices=[], usage=job.usage()))
-                yield "data: [DONE]\n\n"
-            except APIError as e:
-                yield _sse(error_body(e.message, e.type, e.param, e.code))
-                yield "data: [DONE]\n\n"
-            finally:
-                job.abort()
-
-        return _sse_response(gen())
+        first = []
+        for p, text in echo_text.items():
+            for i in range(req.n):
+                offsets[p * req.n + i] = len(text)
+                first.append(chunk(p * req.n + i, text, None, None))
+        return _sse_response(_event_stream(job, early, render, base, include_usage, "".join(first)))
 
     # -- chat -----------------------------------------------------------------------
     def _chat_prompt(req: ChatCompletionRequest) -> list[int]:
@@ -636,21 +621,25 @@ def build_app(state: ServerState) -> FastAPI:
                     out.append(chunk(index, delta, lp, d.finish_reason, d.stop_reason if d.finish_reason else None))
             return out
 
-        async def gen():
-            try:
-                yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n))
-                async for parts in _stream_items(job, early):
-                    yield "".join(render(parts))
-                if include_usage:
-                    yield _sse(dict(base, choices=[], usage=job.usage()))
-                yield "data: [DONE]\n\n"
-            except APIError as e:
-                yield _sse(error_body(e.message, e.type, e.param, e.code))
-                yield "data: [DONE]\n\n"
-            finally:
-                job.abort()
+        first = "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(req.n))
+        return _sse_response(_event_stream(job, early, render, base, include_usage, first))
 
-        return _sse_response(gen())
+    async def _event_stream(job: "_Job", early: list, render, base: dict, include_usage: bool, first: str):
+        """The SSE body both endpoints share: `first`, the rendered deltas, usage if asked,
+        [DONE]; an error mid-stream becomes an error event; the request ends with the body."""
+        try:
+            if first:
+                yield first
+            async for parts in _stream_items(job, early):
+                yield "".join(render(parts))
+            if include_usage:
+                yield _sse(dict(base, choices=[], usage=job.usage()))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse(error_body(e.message, e.type, e.param, e.code))
+            yield "data: [DONE]\n\n"
+        finally:
+            job.abort()
 
     async def _stream_items(job: _Job, early: list):
         """Yield lists of (choice index, delta), draining whatever is queued at each wake-up
