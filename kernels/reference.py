@@ -53,6 +53,67 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, 
     q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
     they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
     """
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    # Placing each query at its absolute position lets SDPA's causal kernel skip the upper
+    # triangle (half the work of a first chunk), but computes a row for every cached
+    # position too: worth it unless the new tokens are a short suffix of a long prefix.
+    if 2 * int(q_lens.max()) >= int(context_lens.max()):
+        return _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+
+
+def length_buckets(lengths: list[int], max_buckets: int = 3) -> list[list[int]]:
+    """Group sequences (indices into `lengths`) into at most `max_buckets` runs of similar
+    length, minimising the padded attention work sum(count * longest^2): a few batched
+    calls instead of one padded to the longest sequence (or a loop over sequences)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = len(order)
+    cuts = sorted({round(i * n / 16) for i in range(17)})  # candidate run edges: bounded work
+    m = len(cuts) - 1
+    # best[k][j]: cheapest split of the sequences before cuts[j] into k runs
+    best = [[0.0] + [float("inf")] * m] + [[float("inf")] * (m + 1) for _ in range(max_buckets)]
+    back = [[0] * (m + 1) for _ in range(max_buckets + 1)]
+    for k in range(1, max_buckets + 1):
+        for j in range(1, m + 1):
+            for i in range(j):
+                c = best[k - 1][i] + (cuts[j] - cuts[i]) * lengths[order[cuts[i]]] ** 2
+                if c < best[k][j]:
+                    best[k][j], back[k][j] = c, i
+    k = min(range(1, max_buckets + 1), key=lambda k: best[k][m])
+    runs, j = [], m
+    while j > 0:
+        i = back[k][j]
+        runs.append(order[cuts[i] : cuts[j]])
+        j, k = i, k - 1
+    return runs[::-1]
+
+
+def _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+    """Row p of a sequence's padded queries is its token at position p (dummies before its new
+    tokens), so the plain causal mask of SDPA is the right one for every sequence. Sequences
+    run in a few length buckets so that short ones do not pay for the longest."""
+    Tq = q.shape[0]
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    for bucket in length_buckets(context_lens.tolist()):
+        idx = torch.tensor(bucket, device=q.device)
+        starts, ctx = query_start_loc[idx], context_lens[idx]
+        q_lens = query_start_loc[idx + 1] - starts
+        L = int(ctx.max())
+        steps = torch.arange(L, device=q.device)
+        first = ctx - q_lens  # position of each sequence's first new token
+        rows = (starts[:, None] + steps - first[:, None]).clamp_(0, max(Tq - 1, 0))  # [n, L]
+        valid = (steps >= first[:, None]) & (steps < ctx[:, None])
+        tables = block_tables[idx, : -(-L // bs)]
+        k = _gather(k_cache, tables).transpose(0, 1)[:, :, :L]  # [n, kvh, L, d]
+        v = _gather(v_cache, tables).transpose(0, 1)[:, :, :L]
+        o = F.scaled_dot_product_attention(q[rows].transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out[rows[valid]] = o.transpose(1, 2)[valid]
+    return out
+
+
+def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+    """Only the new tokens as queries, with an explicit mask of what each one sees."""
     Tq, h, d = q.shape
     dev = q.device
     q_lens = query_start_loc[1:] - query_start_loc[:-1]

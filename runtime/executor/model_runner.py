@@ -127,7 +127,7 @@ class ModelRunner:
             return None
         m = self.model
         per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.dtype.itemsize
-        return DecodeRows(2 * kv_cache_bytes, per_token)
+        return DecodeRows(2 * kv_cache_bytes, per_token, m.num_kv_heads)
 
     def copy_block(self, src: int, dst: int) -> None:
         for cache in self.kv_caches:

@@ -38,8 +38,7 @@ def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float) -> 
 
     def decode():
         if meta.decode_plan is not None:
-            return decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, workspace, meta.decode_plan,
-                                    meta.decode_context_lens, scale)
+            return decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, workspace, meta.decode_plan, scale)
         return ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
     if nd == q.shape[0]:

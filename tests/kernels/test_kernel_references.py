@@ -35,8 +35,9 @@ def test_decode_reference(d, bs, heads):
     torch.testing.assert_close(out.double(), naive.decode(q, k_cache, v_cache, bt, ctx, d**-0.5), **TOL[dtype])
 
 
+@pytest.mark.parametrize("path", ["paged_attention_prefill", "_prefill_causal", "_prefill_masked"])
 @pytest.mark.parametrize("d,bs,heads", GRID)
-def test_prefill_reference(d, bs, heads):
+def test_prefill_reference(d, bs, heads, path):
     h, kvh = heads
     rng = random.Random(d * 1000 + bs * 10 + h + 1)
     dtype = DTYPES[rng.randrange(3)]
@@ -48,18 +49,19 @@ def test_prefill_reference(d, bs, heads):
     k_cache, v_cache, bt, ctx = paged_kv(lens, bs, kvh, d, dtype)
     qsl = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
     q = torch.randn(int(qsl[-1]), h, d).to(dtype)
-    out = ref.paged_attention_prefill(q, finite(k_cache), finite(v_cache), bt, qsl, ctx, d**-0.5)
+    out = getattr(ref, path)(q, finite(k_cache), finite(v_cache), bt, qsl, ctx, d**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out.double(), naive.prefill(q, k_cache, v_cache, bt, qsl, ctx, d**-0.5), **TOL[dtype])
 
 
-def test_prefill_reference_sequence_without_new_tokens():
+@pytest.mark.parametrize("path", ["_prefill_causal", "_prefill_masked"])
+def test_prefill_reference_sequence_without_new_tokens(path):
     seqs = [(3, 5), (20, 0), (0, 2)]
     lens = [p + n for p, n in seqs]
     k_cache, v_cache, bt, ctx = paged_kv(lens, 16, 2, 64)
     qsl = torch.tensor([0, 5, 5, 7])
     q = torch.randn(7, 4, 64)
-    out = ref.paged_attention_prefill(q, finite(k_cache), finite(v_cache), bt, qsl, ctx, 0.125)
+    out = getattr(ref, path)(q, finite(k_cache), finite(v_cache), bt, qsl, ctx, 0.125)
     torch.testing.assert_close(out.double(), naive.prefill(q, k_cache, v_cache, bt, qsl, ctx, 0.125), **TOL[torch.float32])
 
 
@@ -114,3 +116,15 @@ def test_rotary_reference_is_a_rotation_by_position():
 def test_silu_and_mul_reference(i, dtype):
     x = (3 * torch.randn(3, 2 * i)).to(dtype)
     torch.testing.assert_close(ref.silu_and_mul(x).double(), naive.silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 40, 300])
+def test_length_buckets_partition_and_pay_off(n):
+    rng = random.Random(n)
+    lengths = [rng.randint(1, 600) for _ in range(n)]
+    buckets = ref.length_buckets(lengths)
+    assert sorted(i for b in buckets for i in b) == list(range(n)) and len(buckets) <= 3
+    padded = sum(len(b) * max(lengths[i] for i in b) ** 2 for b in buckets)
+    assert padded <= n * max(lengths) ** 2
+    if n >= 7:  # varied lengths: bucketing must save real work
+        assert padded < 0.8 * n * max(lengths) ** 2
