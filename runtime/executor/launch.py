@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -164,6 +164,7 @@ class Membership:
     store: object  # the (prefixed) rendezvous store
     spec: GroupSpec
     rank: int
+    sends: list = field(default_factory=list)  # the leader's messages not yet taken: (work, buffer)
 
 
 def join_group(spec: GroupSpec, rank: int, backend: str, store=None, join_timeout: float = 600.0) -> Membership:

@@ -1,7 +1,7 @@
 """A worker rank: join the group, load this rank's shard, then run the leader's messages
 until told to stop.
 
-The leader (global rank 0) broadcasts every message on the group's gloo control group;
+The leader (global rank 0) sends every message to every rank on the gloo control group;
 every rank, the leader included, then does the same work (`handle`). A step flows stage
 to stage: stage s > 0 receives (hidden, residual) from the rank of stage s - 1 with its
 own tensor rank, runs its layers and sends them on; the last stage's tensor rank 0 sends
@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import pickle
 import signal
 import sys
 
@@ -33,10 +34,23 @@ log = logging.getLogger(__name__)
 
 
 def broadcast(message, m: Membership):
-    """The leader sends `message`; every other rank receives and returns it."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=m.control)
-    return box[0]
+    """The leader sends `message`; every other rank receives and returns it.
+
+    Point-to-point sends that the leader does not wait for, not a gloo broadcast: that one
+    returns only once every rank has taken the message, so the leader could not hand out
+    the next step while a later stage is still busy with the last one."""
+    if m.rank != 0:
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, 0, group=m.control)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, 0, group=m.control)
+        return pickle.loads(data.numpy().tobytes())
+    data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()])
+    m.sends = [(w, buf) for w, buf in m.sends if not w.is_completed()]  # keep buffers alive until sent
+    for rank in range(1, m.spec.world_size):
+        m.sends += [(dist.isend(size, rank, group=m.control), size), (dist.isend(data, rank, group=m.control), data)]
+    return message
 
 
 def gather(value, m: Membership) -> list:
