@@ -28,6 +28,8 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | triton
+    # Batches the engine keeps in the pipe at once; None: one per pipeline stage (1 = serial).
+    batches_in_flight: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -36,6 +38,8 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batches_in_flight is not None and self.batches_in_flight < 1:
+            raise ValueError(f"batches_in_flight must be >= 1, got {self.batches_in_flight}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be one of float32, float16, bfloat16, auto; got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -87,3 +91,4 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", help="cpu or cuda")
     g.add_argument("--seed", type=int)
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    g.add_argument("--batches-in-flight", type=int, help="pipeline parallel: batches in the pipe at once (default: one per stage)")

@@ -1,5 +1,11 @@
 """LLMEngine: the step loop that schedules, executes and updates (vLLM V1's engine core).
 
+With pipeline parallelism the engine keeps one batch per stage in flight: each step
+collects the oldest batch's logits (if it has any in the pipe), samples them, and hands
+out the next batch of the same scheduler lane (scheduler.py) before returning. A batch's
+computed counts and prefix blocks are booked when it is handed out, which is safe
+because every stage runs the batches in the order they were sent.
+
 Not thread-safe: one thread calls every method (the async server runs it in its own).
 """
 
@@ -51,6 +57,19 @@ def eos_token_ids(model_dir, tokenizer) -> list[int]:
     return ids
 
 
+@dataclass
+class InFlight:
+    targets: list[Sequence]  # who samples from the batch's logits rows, in order
+    logits: object  # the logits, or the executor's PendingStep for them
+
+
+def batches_in_flight(config: EngineConfig, executor) -> int:
+    """One batch per pipeline stage unless config.batches_in_flight says otherwise (1 = serial)."""
+    if not hasattr(executor, "execute_async"):
+        return 1
+    return config.batches_in_flight or config.pipeline_parallel_size
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -70,7 +89,11 @@ class LLMEngine:
         self.executor.allocate_kv_cache(num_blocks)
         self.block_size = config.block_size
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, self.block_size, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy)
+        self.num_lanes = batches_in_flight(config, self.executor)
+        self.scheduler = Scheduler(self.pool, self.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy, self.num_lanes)
+        self._lane = 0
+        self._in_flight: dict[int, InFlight] = {}  # lane -> its batch in the pipe
         capacity = num_blocks * self.block_size
         if model_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache's %d tokens; capping it", model_len, capacity)
@@ -130,7 +153,9 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
-                self.scheduler.remove(seq)
+                self.scheduler.remove(seq)  # its blocks may still be written by a batch in the pipe: harmless, in order
+        if not self.requests:
+            self._drain()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -143,25 +168,47 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
-        rows, targets = self._sample_targets(batch)
-        logits = self.executor.execute(prepare(batch, rows, self.block_size, plan))
+        lane, self._lane = self._lane, (self._lane + 1) % self.num_lanes
+        outputs = self._collect(self._in_flight.pop(lane)) if lane in self._in_flight else []
+        batch = self.scheduler.schedule(lane)
+        if batch:
+            plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
+            rows, targets = self._sample_targets(batch)
+            step = prepare(batch, rows, self.block_size, plan)
+            if self.num_lanes > 1:
+                self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step))
+            else:
+                self._in_flight[lane] = InFlight(targets, self.executor.execute(step))
+            self.scheduler.after_step(batch)
+            if self.num_lanes == 1:
+                outputs = self._collect(self._in_flight.pop(lane))
+        if not self.requests:
+            self._drain()
+        return outputs
+
+    def _drain(self) -> None:
+        """Nothing left to serve: wait for what is still in the pipe (all of it finished or aborted)."""
+        while self._in_flight:
+            self._collect(self._in_flight.pop(next(iter(self._in_flight))))
+
+    def _collect(self, flight: "InFlight") -> list[RequestOutput]:
+        """Sample a batch's logits and append the tokens to its sequences."""
+        logits = flight.logits.result() if hasattr(flight.logits, "result") else flight.logits
+        targets = flight.targets
         result = sample(logits, targets, self.eos_ids)
-        self.scheduler.after_step(batch)
         now = time.time()
         touched: dict[str, Request] = {}
         for i, seq in enumerate(targets):
+            if seq.finished:  # aborted while its batch was in the pipe
+                continue
             if seq.status is Status.WAITING and seq.index > 0 and not seq.block_table:
                 self._fork(seq)
             if seq.index == 0 and seq.num_output_tokens == 0:
                 self.prompt_tokens += seq.num_prompt_tokens
             logprobs = result.logprobs[i] if result.logprobs is not None else None
             self._append(seq, result.token_ids[i], logprobs, result.chosen_logprobs[i] if logprobs is not None else 0.0)
+            self.generation_tokens += 1
             touched[seq.request.request_id] = seq.request
-        self.generation_tokens += len(targets)
         outputs = []
         for request in touched.values():
             m = request.metrics
@@ -209,6 +256,7 @@ class LLMEngine:
         child.num_registered = min(parent.num_registered, full)
         child.num_computed = parent.num_prompt_tokens
         child.status = Status.RUNNING
+        child.lane = parent.lane
         self.scheduler.running.append(child)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict | None, logprob: float) -> None:

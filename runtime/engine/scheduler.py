@@ -4,6 +4,13 @@ Every step, running sequences go first (decode is just a 1-token catch-up), then
 ones are admitted — prefill chunked to whatever budget is left, starting after any
 prefix-cache hit. When KV blocks run out, the lowest-priority, latest-arrived running
 sequence is preempted: its blocks are freed and it is recomputed later.
+
+Lanes (vLLM V0's "virtual engines") let a pipeline keep several batches in flight: each
+running sequence belongs to one lane, a step schedules one lane, and the engine schedules
+a lane again only once its previous batch is back. So no sequence is ever in two batches
+at once, and preemption picks its victims inside the lane being scheduled (the others'
+sequences are in the pipe). Waiting sequences join whichever lane admits them, up to a
+fair share of the work, so the lanes stay about equally full. One lane is plain V1.
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs"):
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
+                 num_lanes: int = 1):
         self.pool = pool
+        self.num_lanes = num_lanes
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,21 +91,23 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, lane: int = 0) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted = False
         self.running.sort(key=self.order_key)
+        running = [s for s in self.running if s.lane == lane]
+        share = -(-min(self.max_num_seqs, len(self.running) + len(self.waiting)) // self.num_lanes)
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
             need = self._blocks_needed(seq, seq.num_computed + num_new)
-            while need > self.pool.num_free and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
+            while need > self.pool.num_free and running[-1] is not seq:
+                self._preempt(running.pop())
                 preempted = True
             if need > self.pool.num_free:
-                self._preempt(seq)
+                self._preempt(running.pop())
                 preempted = True
                 break
             seq.block_table += self.pool.allocate(need)
@@ -105,7 +116,8 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences, unless this step already had to preempt (no room).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(running) < share):
             seq = self.waiting[0]
             if not seq.block_table:
                 self._reuse_prefix(seq)
@@ -117,7 +129,9 @@ class Scheduler:
             seq.block_table += self.pool.allocate(need)
             self.waiting.pop(0)
             seq.status = Status.RUNNING
+            seq.lane = lane
             self.running.append(seq)
+            running.append(seq)
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = time.time()
             chosen.append((seq, num_new))
