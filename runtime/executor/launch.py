@@ -130,7 +130,7 @@ def check_parallel_shape(hf_config, tensor: int, pipeline: int, layer_split=None
     else:
         try:
             for p in range(pipeline):
-                stage_layers(hf_config.num_hidden_layers, ParallelState(pp_rank=p, pp_size=pipeline), layer_split)
+                stage_layers(hf_config, ParallelState(pp_rank=p, pp_size=pipeline), layer_split)
         except ValueError as e:
             problems.append(str(e))
     if problems:

@@ -15,7 +15,7 @@ def kv_memory(hf_config, tp: int, pp: int, blocks: int = NUM_BLOCKS, split=None)
     from shoal.runtime.distributed import ParallelState
     from shoal.runtime.models.llama import head_dim_of, stage_layers
 
-    layers = max(len(stage_layers(hf_config.num_hidden_layers, ParallelState(pp_rank=p, pp_size=pp), split)) for p in range(pp))
+    layers = max(len(stage_layers(hf_config, ParallelState(pp_rank=p, pp_size=pp), split)) for p in range(pp))
     kv_heads = max(1, hf_config.num_key_value_heads // tp)
     return blocks * 2 * layers * BLOCK * kv_heads * head_dim_of(hf_config) * 4
 

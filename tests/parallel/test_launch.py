@@ -101,7 +101,8 @@ def test_unsplittable_model_is_refused_before_any_process_starts(builtin_dir, mo
 def test_check_parallel_shape(tp, pp, ok):
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=4)
+    cfg = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=4,
+                          hidden_size=64, head_dim=16, vocab_size=1000)
     if ok:
         launch.check_parallel_shape(cfg, tp, pp)
     else:
@@ -197,3 +198,24 @@ def test_killing_a_rank_of_a_local_launch_ends_the_group(tiny_dir, victim):
             _assert_all_exit({}, pids[1:], started)
     finally:
         reap(leader)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 30])
+@pytest.mark.parametrize("vocab", [1000, 49152, 400000])
+def test_default_split_balances_stage_weights(builtin_dir, pp, vocab):
+    """Every stage gets a layer; the stages' weights (the last one's LM head included) are
+    as even as whole layers allow (an LM head heavier than a share leaves the last stage one layer)."""
+    from shoal.runtime.models.llama import balanced_split, head_dim_of
+    from shoal.runtime.models.loader import load_config
+
+    cfg = load_config(builtin_dir)
+    cfg.vocab_size = vocab
+    split = balanced_split(cfg, pp)
+    assert len(split) == pp and sum(split) == cfg.num_hidden_layers and min(split) >= 1
+    d, h, kv = head_dim_of(cfg), cfg.num_attention_heads, cfg.num_key_value_heads
+    layer = cfg.hidden_size * d * (2 * h + 2 * kv) + 3 * cfg.hidden_size * cfg.intermediate_size
+    weights = [n * layer for n in split]
+    weights[-1] += vocab * cfg.hidden_size
+    assert max(weights[:-1]) - min(weights[:-1]) <= layer
+    if split[-1] > 1:
+        assert abs(weights[-1] - sum(weights) / pp) <= layer / 2

@@ -22,14 +22,14 @@ def test_tp2_replicates_a_single_kv_head(tiny_mqa_dir):
 
 
 def test_uneven_pipeline_split(tiny_dir):
-    tokens, _ = generate(tiny_dir, 1, 2, mixed_prompts(), pipeline_layer_split=[3, 1])
+    tokens, _ = generate(tiny_dir, 1, 2, mixed_prompts(), pipeline_layer_split=[1, 3])  # the default is [3, 1]
     assert tokens == single_rank(tiny_dir)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (3, 1)], ids=["pp2", "tp3"])
 def test_builtin_model_matches_single_rank(builtin_dir, tp, pp):
     """The built-in model has 9 query and 3 KV heads: tensor 2 cannot split it (refused,
-    see test_launch.py), tensor 3 can; pipeline 2 splits its 30 layers 15 + 15."""
+    see test_launch.py), tensor 3 can; pipeline 2 splits its 30 layers 19 + 11 (the LM head weighs 8)."""
     tokens, stats = generate(builtin_dir, tp, pp, mixed_prompts())
     assert stats.num_preemptions > 0
     assert tokens == single_rank(builtin_dir)
