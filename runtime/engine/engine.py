@@ -175,13 +175,12 @@ class LLMEngine:
             plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
             rows, targets = self._sample_targets(batch)
             step = prepare(batch, rows, self.block_size, plan)
-            if self.num_lanes > 1:
-                self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step))
-            else:
-                self._in_flight[lane] = InFlight(targets, self.executor.execute(step))
+            logits = (self.executor.execute_async if self.num_lanes > 1 else self.executor.execute)(step)
             self.scheduler.after_step(batch)
-            if self.num_lanes == 1:
-                outputs = self._collect(self._in_flight.pop(lane))
+            if self.num_lanes > 1:
+                self._in_flight[lane] = InFlight(targets, logits)
+            else:
+                outputs = self._collect(InFlight(targets, logits))
         if not self.requests:
             self._drain()
         return outputs
