@@ -35,11 +35,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.batches_in_flight is not None and self.batches_in_flight < 1:
-            raise ValueError(f"batches_in_flight must be >= 1, got {self.batches_in_flight}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "batches_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be one of float32, float16, bfloat16, auto; got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

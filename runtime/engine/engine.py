@@ -60,7 +60,7 @@ def eos_token_ids(model_dir, tokenizer) -> list[int]:
 @dataclass
 class InFlight:
     targets: list[Sequence]  # who samples from the batch's logits rows, in order
-    logits: object  # the logits, or the executor's PendingStep for them
+    pending: object  # the executor's PendingStep: .result() waits for the logits
 
 
 def batches_in_flight(config: EngineConfig, executor) -> int:
@@ -169,18 +169,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         lane, self._lane = self._lane, (self._lane + 1) % self.num_lanes
-        outputs = self._collect(self._in_flight.pop(lane)) if lane in self._in_flight else []
+        outputs = self._collect_in_flight(lane) if lane in self._in_flight else []
         batch = self.scheduler.schedule(lane)
         if batch:
             plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
             rows, targets = self._sample_targets(batch)
             step = prepare(batch, rows, self.block_size, plan)
-            logits = (self.executor.execute_async if self.num_lanes > 1 else self.executor.execute)(step)
-            self.scheduler.after_step(batch)
             if self.num_lanes > 1:
-                self._in_flight[lane] = InFlight(targets, logits)
+                self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step))
+                self.scheduler.after_step(batch)
             else:
-                outputs = self._collect(InFlight(targets, logits))
+                logits = self.executor.execute(step)
+                self.scheduler.after_step(batch)
+                outputs = self._collect(targets, logits)
         if not self.requests:
             self._drain()
         return outputs
@@ -188,12 +189,14 @@ class LLMEngine:
     def _drain(self) -> None:
         """Nothing left to serve: wait for what is still in the pipe (all of it finished or aborted)."""
         while self._in_flight:
-            self._collect(self._in_flight.pop(next(iter(self._in_flight))))
+            self._collect_in_flight(next(iter(self._in_flight)))
 
-    def _collect(self, flight: "InFlight") -> list[RequestOutput]:
+    def _collect_in_flight(self, lane: int) -> list[RequestOutput]:
+        flight = self._in_flight.pop(lane)
+        return self._collect(flight.targets, flight.pending.result())
+
+    def _collect(self, targets: list[Sequence], logits) -> list[RequestOutput]:
         """Sample a batch's logits and append the tokens to its sequences."""
-        logits = flight.logits.result() if hasattr(flight.logits, "result") else flight.logits
-        targets = flight.targets
         result = sample(logits, targets, self.eos_ids)
         now = time.time()
         touched: dict[str, Request] = {}

@@ -40,15 +40,20 @@ def greedy():
     return SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
 
 
-def generate(model_dir, tp: int, pp: int, prompts, batches_in_flight=None, **extra):
-    """Greedy tokens and stats of one engine; checks the group shuts down cleanly."""
+def small_cache_llm(model_dir, tp: int, pp: int, batches_in_flight=None, **extra):
+    """An LLM with NUM_BLOCKS KV blocks on every rank, prefix caching on, small steps."""
     from shoal import LLM
     from shoal.runtime.models.loader import load_config
 
     cfg = load_config(model_dir)
-    llm = LLM(str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_prefix_caching=True,
-              kv_cache_memory=kv_memory(cfg, tp, pp, split=extra.get("pipeline_layer_split")),
-              max_num_batched_tokens=128, batches_in_flight=batches_in_flight, extra=dict(extra))
+    return LLM(str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_prefix_caching=True,
+               kv_cache_memory=kv_memory(cfg, tp, pp, split=extra.get("pipeline_layer_split")),
+               max_num_batched_tokens=128, batches_in_flight=batches_in_flight, extra=dict(extra))
+
+
+def generate(model_dir, tp: int, pp: int, prompts, batches_in_flight=None, **extra):
+    """Greedy tokens and stats of one engine; checks the group shuts down cleanly."""
+    llm = small_cache_llm(model_dir, tp, pp, batches_in_flight, **extra)
     try:
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())]
         stats = llm.engine.stats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_helpers import generate, greedy, kv_memory, mixed_prompts, single_rank
+from parallel_helpers import generate, greedy, mixed_prompts, single_rank, small_cache_llm
 from shoal.runtime.executor.distributed_executor import DistributedExecutor
 
 
@@ -33,13 +33,8 @@ def test_pp2_engine_keeps_batches_in_flight_and_matches_single_rank(tiny_dir, pi
 
 
 def test_abort_while_in_the_pipe_frees_blocks_and_spares_the_rest(tiny_dir):
-    from shoal import LLM
-    from shoal.runtime.models.loader import load_config
-
     prompts = mixed_prompts()
-    llm = LLM(str(tiny_dir), pipeline_parallel_size=2, enable_prefix_caching=True,
-              kv_cache_memory=kv_memory(load_config(tiny_dir), 1, 2), max_num_batched_tokens=128)
-    engine = llm.engine
+    engine = small_cache_llm(tiny_dir, 1, 2).engine
     try:
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, greedy())
