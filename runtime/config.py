@@ -30,6 +30,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     # Batches the engine keeps in the pipe at once; None: one per pipeline stage (1 = serial).
     batches_in_flight: int | None = None
+    # CPU, float32, one process: decode-only steps of at most this many sequences run in the
+    # C decode step (kernels/cpu_decode.c) instead of the torch model; 0 turns it off.
+    cpu_decode_max_seqs: int = 16
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -40,6 +43,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.cpu_decode_max_seqs <= 256:
+            raise ValueError(f"cpu_decode_max_seqs must be in [0, 256], got {self.cpu_decode_max_seqs}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be one of float32, float16, bfloat16, auto; got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -92,3 +97,4 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     g.add_argument("--batches-in-flight", type=int, help="pipeline parallel: batches in the pipe at once (default: one per stage)")
+    g.add_argument("--cpu-decode-max-seqs", type=int, help="CPU: decode steps of up to this many sequences run in C (0: off)")

@@ -57,6 +57,15 @@ def test_staggered_arrivals_match_transformers(llm, references):
     assert [got[i] for i in range(len(prompts))] == expected
 
 
+def test_torch_decode_path_matches_transformers(builtin_dir, references):
+    """With the C decode step off, decodes run the torch model over the workspace mirror."""
+    prompts, expected = references
+    llm = LLM(str(builtin_dir), kv_cache_memory=2**26, cpu_decode_max_seqs=0)
+    assert llm.engine.executor.cpu_decoder is None
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_prefix_caching_on_and_off(builtin_dir, hf_model, tokenizer, prefix_caching):
     system = tokenizer("You are a helpful assistant who answers briefly and precisely. " * 4).input_ids

@@ -89,6 +89,11 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(self.dtype).eval()
         self.model.cos_sin = self.model.cos_sin.float()
+        self.cpu_decoder = None  # the C decode step, for small decode-only batches
+        if self.device.type == "cpu" and config.cpu_decode_max_seqs:
+            from shoal.kernels.cpu_decode import CpuDecoder
+
+            self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
         if pack_for_cpu(self.model):
             log.info("linear weights prepacked for oneDNN")
         self.kv_caches: list[torch.Tensor] = []
@@ -120,6 +125,13 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device).permute(0, 2, 3, 1, 4) for _ in m.layers
         ]
+        if self.cpu_decoder is not None:
+            self.cpu_decoder.attach(self.kv_caches)
+
+    @property
+    def c_decode_max_seqs(self) -> int:
+        """Decode-only steps of up to this many sequences run in C (0: none do)."""
+        return self.config.cpu_decode_max_seqs if self.cpu_decoder is not None else 0
 
     def decode_planner(self, kv_cache_bytes: int) -> DecodeRows | None:
         """The workspace planner for the torch backend (CPU), at most twice the KV cache."""
@@ -127,16 +139,27 @@ class ModelRunner:
             return None
         m = self.model
         per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.dtype.itemsize
-        return DecodeRows(2 * kv_cache_bytes, per_token, m.num_kv_heads)
+        return DecodeRows(2 * kv_cache_bytes, per_token, m.num_kv_heads, self.c_decode_max_seqs)
 
     def copy_block(self, src: int, dst: int) -> None:
         for cache in self.kv_caches:
             cache[:, dst].copy_(cache[:, src])
 
+    def _runs_in_c(self, step: StepInput, hidden) -> bool:
+        """A decode-only step small enough for the C decoder (the planner left it unplanned)."""
+        nd = step.meta.num_decode_tokens
+        return (hidden is None and step.meta.decode_plan is None and nd == step.input_ids.shape[0]
+                and 0 < nd <= self.c_decode_max_seqs)
+
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden=None, residual=None):
         """Run this rank's layers. Last stage: logits [S, V] float32 of the sample rows;
         other stages: (hidden, residual) for the next stage."""
+        if self._runs_in_c(step, hidden):
+            m = step.meta
+            logits = self.cpu_decoder.step(step.input_ids, step.positions, m.slot_mapping, m.decode_block_tables,
+                                           m.decode_context_lens)
+            return logits[step.sample_rows]
         dev = self.device
         meta = AttentionMetadata(**{k: _to(v, dev) for k, v in vars(step.meta).items()})
         plan = meta.decode_plan

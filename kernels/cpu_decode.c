@@ -1,0 +1,404 @@
+/* A whole decode step of a Llama-family model on the CPU, in one call: token ids in,
+ * logits out, keys and values written to (and read from) the paged KV cache in place.
+ *
+ * Why C: a batch-1 decode step reads every weight once, so its floor is memory bandwidth
+ * (~18 ms for the built-in model). In torch it takes ~48 ms: matrix-vector products reach
+ * 13-18 GB/s, and ~400 small ops a step cost ~20 ms of dispatch. Here the weights are
+ * packed in panels of 8 rows ([N/8][K][8], one sequential stream per thread), every phase
+ * of a layer runs on all threads with a barrier between phases, and the small ops (norms,
+ * RoPE, attention, SwiGLU) are fused into the phases around them.
+ *
+ * Threads: OpenMP, linked against the libgomp that torch has already loaded (same soname),
+ * so a step runs on torch's own intra-op threads. A second pool would fight them for the
+ * cores: torch's threads spin for a while after every op, and one descheduled thread
+ * stalls every barrier (measured: 33 ms a step instead of 22).
+ *
+ * The reference is the torch model (runtime/models/llama.py over kernels/reference.py):
+ * tests compare logits and cache contents. Shapes and the cache layout are those of
+ * kernels/reference.py; the cache is stored [2, kvh, num_blocks, block_size, d].
+ * Compiled at first use (kernels/cpu_decode.py) with -O3 -mavx2 -mfma.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_BATCH 256
+#define MAX_THREADS 64
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
+    int64_t block_size, num_blocks, max_positions;
+    double eps, scale;
+    const float *embed;      /* [vocab, hidden], row-major */
+    const float *final_norm; /* [hidden] */
+    const float *lm_head;    /* panels of [vocab padded to 8, hidden] */
+    const float *cos_sin;    /* [max_positions, head_dim]: cos half, then sin half */
+    /* per layer: */
+    const float **input_norm, **post_norm; /* [hidden] */
+    const float **qkv, **qkv_bias;         /* panels of [(h + 2 kvh) d, hidden]; bias [(h + 2 kvh) d] or NULL */
+    const float **o;                       /* panels of [hidden, h d] */
+    const float **gate_up;                 /* panels alternating 8 gate rows, 8 up rows: [2 I, hidden] */
+    const float **down;                    /* panels of [hidden, I] */
+    float **kv;                            /* [2, kvh, num_blocks, block_size, d] */
+} Model;
+
+typedef struct {
+    int64_t batch;                /* sequences, one new token each */
+    const int64_t *token_ids;     /* [B] */
+    const int64_t *positions;     /* [B] */
+    const int64_t *slots;         /* [B]: block * block_size + offset of the new token */
+    const int64_t *block_tables;  /* [B, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *context_lens;  /* [B]: tokens in the cache, the new one included */
+    float *logits;                /* [B, vocab] */
+} Step;
+
+typedef struct Decoder Decoder;
+
+typedef struct {
+    Decoder *dec;
+    int tid, num_threads;
+    float *scores; /* attention scratch: [heads per KV head, context] */
+    int64_t scores_cap;
+    float tile_out[MAX_BATCH][16]; /* one panel pair's results */
+} Worker;
+
+struct Decoder {
+    Model m;
+    int num_threads;
+    /* activations, [B, ...] each */
+    float *resid, *normed, *qkv, *attn, *act, *out;
+    Worker workers[MAX_THREADS];
+    const Step *step;
+};
+
+/* ---- small vector helpers ---------------------------------------------------------- */
+
+static inline float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* exp(x) for 8 lanes: Cephes' range reduction and degree-5 polynomial (~1 ulp on [-87, 88]). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i < n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return hsum(_mm256_add_ps(s0, s1));
+}
+
+/* ---- work sharing ---------------------------------------------------------------- */
+
+static inline void barrier(Worker *w) {
+    (void)w;
+#pragma omp barrier
+}
+
+/* [begin, end) of n items for this thread */
+static void share(const Worker *w, int64_t n, int64_t *begin, int64_t *end) {
+    int64_t t = w->num_threads;
+    *begin = n * w->tid / t;
+    *end = n * (w->tid + 1) / t;
+}
+
+/* ---- matrix-vector products over panels -------------------------------------------- */
+
+/* One panel (8 output rows) times one input, with four partial sums: a single FMA chain
+ * would wait on its own latency, and batch 1 must stream weights at full bandwidth. */
+static inline __m256 panel_times_one(const float *w, const float *x, int64_t K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < K; k += 4) {
+        a0 = _mm256_fmadd_ps(_mm256_load_ps(w + 8 * k), _mm256_broadcast_ss(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_load_ps(w + 8 * k + 8), _mm256_broadcast_ss(x + k + 1), a1);
+        a2 = _mm256_fmadd_ps(_mm256_load_ps(w + 8 * k + 16), _mm256_broadcast_ss(x + k + 2), a2);
+        a3 = _mm256_fmadd_ps(_mm256_load_ps(w + 8 * k + 24), _mm256_broadcast_ss(x + k + 3), a3);
+    }
+    return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+/* NP panels (1 or 2: 8 or 16 rows) times NB inputs (<= 6): 12 accumulators, each weight load
+ * feeding NB FMAs, each broadcast NP (the register tile of BLIS's AVX2 kernels). */
+static inline __attribute__((always_inline)) void tile(const float *w0, const float *w1, const float *x, int64_t K,
+                                                       const int NB, const int NP, float (*out)[16]) {
+    __m256 acc[6][2];
+    for (int b = 0; b < NB; b++)
+        for (int p = 0; p < NP; p++) acc[b][p] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 wa = _mm256_load_ps(w0 + 8 * k), wb = NP == 2 ? _mm256_load_ps(w1 + 8 * k) : wa;
+        for (int b = 0; b < NB; b++) {
+            __m256 xb = _mm256_broadcast_ss(x + b * K + k);
+            acc[b][0] = _mm256_fmadd_ps(wa, xb, acc[b][0]);
+            if (NP == 2) acc[b][1] = _mm256_fmadd_ps(wb, xb, acc[b][1]);
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        for (int p = 0; p < NP; p++) _mm256_storeu_ps(out[b] + 8 * p, acc[b][p]);
+}
+
+/* Rows [16 pair, 16 pair + 16) of W (panels 2 pair and 2 pair + 1; the second may not exist)
+ * times the B inputs x [B, K]: out[b][0..16). */
+static void panel_pair(const float *W, int64_t pair, int64_t num_panels, const float *x, int64_t B, int64_t K,
+                       float (*out)[16]) {
+    const float *w0 = W + 2 * pair * 8 * K, *w1 = w0 + 8 * K;
+    int two = 2 * pair + 1 < num_panels;
+    if (B == 1) {
+        _mm256_storeu_ps(out[0], panel_times_one(w0, x, K));
+        if (two) _mm256_storeu_ps(out[0] + 8, panel_times_one(w1, x, K));
+        return;
+    }
+    for (int64_t b = 0; b < B; b += 6) {
+        const float *xb = x + b * K;
+        float (*ob)[16] = out + b;
+        int nb = B - b < 6 ? (int)(B - b) : 6;
+        switch (nb * 2 + two) { /* constant tile shapes, so that the accumulators stay in registers */
+        case 2: tile(w0, w1, xb, K, 1, 1, ob); break;
+        case 3: tile(w0, w1, xb, K, 1, 2, ob); break;
+        case 4: tile(w0, w1, xb, K, 2, 1, ob); break;
+        case 5: tile(w0, w1, xb, K, 2, 2, ob); break;
+        case 6: tile(w0, w1, xb, K, 3, 1, ob); break;
+        case 7: tile(w0, w1, xb, K, 3, 2, ob); break;
+        case 8: tile(w0, w1, xb, K, 4, 1, ob); break;
+        case 9: tile(w0, w1, xb, K, 4, 2, ob); break;
+        case 10: tile(w0, w1, xb, K, 5, 1, ob); break;
+        case 11: tile(w0, w1, xb, K, 5, 2, ob); break;
+        case 12: tile(w0, w1, xb, K, 6, 1, ob); break;
+        default: tile(w0, w1, xb, K, 6, 2, ob); break;
+        }
+    }
+}
+
+/* y[b, n] = x_b . W[n] (+ bias[n]) for this thread's share of W's rows, 16 at a time; y has
+ * row stride ldy, and only rows n < n_valid are stored (the LM head's last panel may be padding). */
+static void matvec(Worker *w, const float *W, const float *bias, const float *x, int64_t B, int64_t K,
+                   int64_t N, int64_t n_valid, float *y, int64_t ldy) {
+    int64_t panels = N / 8, q0, q1;
+    share(w, (panels + 1) / 2, &q0, &q1);
+    float (*out)[16] = w->tile_out;
+    for (int64_t q = q0; q < q1; q++) {
+        panel_pair(W, q, panels, x, B, K, out);
+        int64_t rows = n_valid - 16 * q < 16 ? n_valid - 16 * q : 16;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < rows; j++) y[b * ldy + 16 * q + j] = out[b][j] + (bias ? bias[16 * q + j] : 0.0f);
+    }
+}
+
+/* act[b, i] = silu(gate_i . x_b) * (up_i . x_b): the gate/up weight alternates 8-row panels,
+ * so each panel pair is 8 gate rows and their 8 up rows. */
+static void gate_up_silu(Worker *w, const float *W, const float *x, int64_t B, int64_t K, int64_t I, float *act) {
+    int64_t q0, q1;
+    share(w, I / 8, &q0, &q1);
+    float (*out)[16] = w->tile_out;
+    for (int64_t q = q0; q < q1; q++) {
+        panel_pair(W, q, 2 * (I / 8), x, B, K, out);
+        for (int64_t b = 0; b < B; b++) {
+            __m256 g = _mm256_loadu_ps(out[b]);
+            __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(act + b * I + q * 8, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(out[b] + 8)));
+        }
+    }
+}
+
+/* ---- the small ops ----------------------------------------------------------------- */
+
+/* resid[b] += add[b] (when add), then normed[b] = rmsnorm(resid[b]) * weight; rows split over threads. */
+static void add_rms_norm(Worker *w, float *resid, const float *add, const float *weight, float *normed) {
+    const Model *m = &w->dec->m;
+    int64_t H = m->hidden, b0, b1;
+    share(w, w->dec->step->batch, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) {
+        float *r = resid + b * H;
+        if (add)
+            for (int64_t i = 0; i < H; i++) r[i] += add[b * H + i];
+        float ss = dot(r, r, H);
+        float inv = 1.0f / sqrtf(ss / (float)H + (float)m->eps);
+        for (int64_t i = 0; i < H; i++) normed[b * H + i] = r[i] * inv * weight[i];
+    }
+}
+
+/* neox RoPE of one head in place: pairs (i, i + d/2) */
+static void rotate(float *x, const float *cs, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half], c = cs[i], s = cs[half + i];
+        x[i] = x1 * c - x2 * s;
+        x[i + half] = x2 * c + x1 * s;
+    }
+}
+
+/* For each (sequence, KV head) of this thread's share: rotate its queries and key, store the
+ * key and value in the paged cache, then attend its g query heads over the sequence's context. */
+static void attention(Worker *w, int64_t layer) {
+    const Decoder *dec = w->dec;
+    const Model *m = &dec->m;
+    const Step *s = dec->step;
+    int64_t h = m->num_heads, kvh = m->num_kv_heads, d = m->head_dim, g = h / kvh, bs = m->block_size;
+    int64_t row = (h + 2 * kvh) * d;
+    float *k_cache = m->kv[layer], *v_cache = k_cache + kvh * m->num_blocks * bs * d;
+    int64_t i0, i1;
+    share(w, s->batch * kvh, &i0, &i1);
+    for (int64_t item = i0; item < i1; item++) {
+        int64_t b = item / kvh, kh = item % kvh, ctx = s->context_lens[b];
+        float *q = dec->qkv + b * row + kh * g * d, *k = dec->qkv + b * row + (h + kh) * d, *v = k + kvh * d;
+        const float *cs = m->cos_sin + s->positions[b] * d;
+        for (int64_t j = 0; j < g; j++) rotate(q + j * d, cs, d);
+        rotate(k, cs, d);
+        int64_t slot = (kh * m->num_blocks * bs + s->slots[b]) * d;
+        memcpy(k_cache + slot, k, d * sizeof(float));
+        memcpy(v_cache + slot, v, d * sizeof(float));
+
+        if (g * ctx > w->scores_cap) {
+            free(w->scores);
+            w->scores_cap = 2 * g * ctx;
+            w->scores = aligned_alloc(32, w->scores_cap * sizeof(float));
+        }
+        const int64_t *table = s->block_tables + b * s->max_blocks;
+        float scale = (float)m->scale;
+        for (int64_t t = 0; t < ctx; t++) {
+            const float *key = k_cache + ((kh * m->num_blocks + table[t / bs]) * bs + t % bs) * d;
+            for (int64_t j = 0; j < g; j++) w->scores[j * ctx + t] = dot(q + j * d, key, d) * scale;
+        }
+        for (int64_t j = 0; j < g; j++) {
+            float *p = w->scores + j * ctx, mx = -INFINITY, sum = 0.0f;
+            for (int64_t t = 0; t < ctx; t++) mx = p[t] > mx ? p[t] : mx;
+            int64_t t = 0;
+            __m256 vs = _mm256_setzero_ps();
+            for (; t + 8 <= ctx; t += 8) {
+                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
+                _mm256_storeu_ps(p + t, e);
+                vs = _mm256_add_ps(vs, e);
+            }
+            sum = hsum(vs);
+            for (; t < ctx; t++) sum += (p[t] = expf(p[t] - mx));
+            float inv = 1.0f / sum;
+            for (t = 0; t < ctx; t++) p[t] *= inv;
+        }
+        float *out = dec->attn + b * h * d + kh * g * d;
+        for (int64_t j = 0; j < g; j++) memset(out + j * d, 0, d * sizeof(float));
+        for (int64_t t = 0; t < ctx; t++) {
+            const float *val = v_cache + ((kh * m->num_blocks + table[t / bs]) * bs + t % bs) * d;
+            for (int64_t j = 0; j < g; j++) {
+                __m256 pj = _mm256_set1_ps(w->scores[j * ctx + t]);
+                float *o = out + j * d;
+                for (int64_t i = 0; i < d; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pj, _mm256_loadu_ps(val + i), _mm256_loadu_ps(o + i)));
+            }
+        }
+    }
+}
+
+/* ---- the step ---------------------------------------------------------------------- */
+
+static void forward(Worker *w) {
+    Decoder *dec = w->dec;
+    const Model *m = &dec->m;
+    const Step *s = dec->step;
+    int64_t B = s->batch, H = m->hidden, I = m->intermediate;
+    int64_t qkv_rows = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim, attn_width = m->num_heads * m->head_dim;
+
+    int64_t b0, b1;
+    share(w, B, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) memcpy(dec->resid + b * H, m->embed + s->token_ids[b] * H, H * sizeof(float));
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        add_rms_norm(w, dec->resid, l ? dec->out : NULL, m->input_norm[l], dec->normed);
+        barrier(w);
+        matvec(w, m->qkv[l], m->qkv_bias[l], dec->normed, B, H, qkv_rows, qkv_rows, dec->qkv, qkv_rows);
+        barrier(w);
+        attention(w, l);
+        barrier(w);
+        matvec(w, m->o[l], NULL, dec->attn, B, attn_width, H, H, dec->out, H);
+        barrier(w);
+        add_rms_norm(w, dec->resid, dec->out, m->post_norm[l], dec->normed);
+        barrier(w);
+        gate_up_silu(w, m->gate_up[l], dec->normed, B, H, I, dec->act);
+        barrier(w);
+        matvec(w, m->down[l], NULL, dec->act, B, I, H, H, dec->out, H);
+        barrier(w);
+    }
+    add_rms_norm(w, dec->resid, dec->out, m->final_norm, dec->normed);
+    barrier(w);
+    matvec(w, m->lm_head, NULL, dec->normed, B, H, (m->vocab + 7) / 8 * 8, m->vocab, s->logits, m->vocab);
+    barrier(w);
+}
+
+/* ---- the API (ctypes) -------------------------------------------------------------- */
+
+static float *alloc_floats(int64_t n) {
+    float *p = aligned_alloc(64, ((n * sizeof(float) + 63) / 64) * 64);
+    if (p) memset(p, 0, n * sizeof(float));
+    return p;
+}
+
+int64_t shoal_max_batch(void) { return MAX_BATCH; }
+
+Decoder *shoal_decoder_new(const Model *m, int64_t num_threads) {
+    if (num_threads < 1 || num_threads > MAX_THREADS) return NULL;
+    Decoder *d = calloc(1, sizeof(Decoder));
+    d->m = *m;
+    size_t layers = m->num_layers * sizeof(void *);
+    const float ***tables[] = {&d->m.input_norm, &d->m.post_norm, &d->m.qkv, &d->m.qkv_bias, &d->m.o, &d->m.gate_up, &d->m.down};
+    for (size_t i = 0; i < sizeof(tables) / sizeof(*tables); i++) { /* own copies of the per-layer pointer arrays */
+        const float **copy = malloc(layers);
+        memcpy(copy, *tables[i], layers);
+        *tables[i] = copy;
+    }
+    float **kv = malloc(layers);
+    memcpy(kv, m->kv, layers);
+    d->m.kv = kv;
+    int64_t H = m->hidden, qkv_rows = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    d->resid = alloc_floats(MAX_BATCH * H);
+    d->normed = alloc_floats(MAX_BATCH * H);
+    d->out = alloc_floats(MAX_BATCH * H);
+    d->qkv = alloc_floats(MAX_BATCH * qkv_rows);
+    d->attn = alloc_floats(MAX_BATCH * m->num_heads * m->head_dim);
+    d->act = alloc_floats(MAX_BATCH * m->intermediate);
+    d->num_threads = (int)num_threads;
+    for (int t = 0; t < MAX_THREADS; t++) d->workers[t].dec = d;
+    return d;
+}
+
+/* Runs one step on the caller's OpenMP team. Returns 0, or -1 for a batch too large. */
+int64_t shoal_decoder_step(Decoder *d, const Step *s) {
+    if (s->batch < 1 || s->batch > MAX_BATCH) return -1;
+    d->step = s;
+#pragma omp parallel num_threads(d->num_threads)
+    {
+        Worker *w = &d->workers[omp_get_thread_num()];
+        w->tid = omp_get_thread_num();
+        w->num_threads = omp_get_num_threads(); /* may be fewer than asked */
+        forward(w);
+    }
+    return 0;
+}
+
+void shoal_decoder_free(Decoder *d) {
+    for (int t = 0; t < MAX_THREADS; t++) free(d->workers[t].scores);
+    free(d->resid); free(d->normed); free(d->out); free(d->qkv); free(d->attn); free(d->act);
+    free((void *)d->m.input_norm); free((void *)d->m.post_norm); free((void *)d->m.qkv); free((void *)d->m.qkv_bias);
+    free((void *)d->m.o); free((void *)d->m.gate_up); free((void *)d->m.down); free(d->m.kv);
+    free(d);
+}

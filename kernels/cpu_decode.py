@@ -1,0 +1,264 @@
+"""The CPU decode step in C (cpu_decode.c): build it, pack a model's weights for it, run it.
+
+    decoder = CpuDecoder.create(model)   # before oneDNN packing; None where it cannot run
+    decoder.attach(kv_caches)            # once the KV cache exists
+    logits = decoder.step(input_ids, positions, slots, block_tables, context_lens)
+
+The library is compiled at first use with the system's C compiler into
+``$SHOAL_CACHE/kernels/`` (named by a hash of the source, written atomically), like
+Triton's cache. A machine without a compiler or without AVX2/FMA gets None, and the
+engine runs the torch model instead. The decoder keeps its own copy of the linear
+weights in 8-row panels (as much memory again as the weights); the KV cache is shared
+with the torch model, in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp"]
+P = ctypes.POINTER
+F32P = P(ctypes.c_float)
+I64 = ctypes.c_int64
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, I64) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab",
+                                   "block_size", "num_blocks", "max_positions")] + [
+        ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+        ("embed", F32P), ("final_norm", F32P), ("lm_head", F32P), ("cos_sin", F32P),
+    ] + [(n, P(F32P)) for n in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("batch", I64), ("token_ids", P(I64)), ("positions", P(I64)), ("slots", P(I64)),
+                ("block_tables", P(I64)), ("max_blocks", I64), ("context_lens", P(I64)), ("logits", F32P)]
+
+
+def _cache_dir() -> Path:
+    from shoal.runtime.models.loader import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _compile() -> Path:
+    """The shared library for this source and these flags, compiled once (atomic rename)."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_decode-{key}.so"
+    if out.exists():
+        return out
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{e.stderr}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def load_library() -> ctypes.CDLL:
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(str(_compile()))
+        lib.shoal_decoder_new.restype = ctypes.c_void_p
+        lib.shoal_decoder_new.argtypes = [P(_Model), I64]
+        lib.shoal_decoder_step.restype = I64
+        lib.shoal_decoder_step.argtypes = [ctypes.c_void_p, P(_Step)]
+        lib.shoal_decoder_free.argtypes = [ctypes.c_void_p]
+        lib.shoal_max_batch.restype = I64
+        _LIB = lib
+    return _LIB
+
+
+def cpu_supported() -> str | None:
+    """Why this CPU cannot run the decoder, or None when it can."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"needs AVX2 and FMA (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    return None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/8), K, 8]: each run of 8 rows stored column by column (zero rows pad N)."""
+    N, K = weight.shape
+    padded = torch.zeros(-(-N // 8) * 8, K, dtype=torch.float32)
+    padded[:N] = weight
+    return padded.view(-1, 8, K).transpose(1, 2).contiguous()
+
+
+def pack_gate_up(weight: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """Fused [gate; up] -> panels alternating 8 gate rows and the matching 8 up rows."""
+    gate, up = weight[:intermediate], weight[intermediate:]
+    paired = torch.stack((gate.view(-1, 8, gate.shape[1]), up.view(-1, 8, up.shape[1])), dim=1)
+    return pack_panels(paired.reshape(weight.shape))
+
+
+class Arena:
+    """One buffer for all packed weights, backed by transparent huge pages where the kernel
+    allows (madvise): the hardware prefetchers stop at every 4 KiB page boundary, and a
+    decode step streams every weight once."""
+
+    HUGE = 2 * 2**20
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        sizes = [-(-t.numel() // 16) * 16 for t in tensors]  # 64-byte aligned slices
+        total = sum(sizes)
+        self.buffer = torch.empty(total + self.HUGE // 4, dtype=torch.float32)
+        start = (-self.buffer.data_ptr() % self.HUGE) // 4
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(self.buffer.data_ptr() + 4 * start, 4 * total, 14)  # MADV_HUGEPAGE; harmless if refused
+        self.views, offset = [], start
+        for t, size in zip(tensors, sizes):
+            view = self.buffer[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            self.views.append(view)
+            offset += size
+
+
+def _ptr(t: torch.Tensor | None):
+    return ctypes.cast(t.data_ptr(), F32P) if t is not None else None
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the C decoder cannot run this model, or None."""
+    cfg, state = model.cfg, model.state
+    if state.tp_size != 1 or state.pp_size != 1:
+        return "it runs single-process models only"
+    if model.norm.weight.dtype != torch.float32 or model.norm.weight.device.type != "cpu":
+        return "it runs float32 on the CPU only"
+    if model.cos_sin.shape[-1] != model.head_dim:
+        return "partial rotary embeddings are not supported"
+    if any(n % 8 for n in (cfg.hidden_size, cfg.intermediate_size, model.head_dim)):
+        return "hidden, intermediate and head sizes must be multiples of 8"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases are not supported"
+    return cpu_supported()
+
+
+class CpuDecoder:
+    """One model's decoder: its packed weights, the C handle, and its thread pool."""
+
+    def __init__(self, model, num_threads: int):
+        lib = load_library()
+        self.lib = lib
+        self.max_batch = int(lib.shoal_max_batch())
+        cfg = model.cfg
+        self.vocab = cfg.vocab_size
+        layers = model.layers
+        keep = []  # every tensor the C side points into
+
+        def hold(t):
+            keep.append(t)
+            return t
+
+        def table(tensors):
+            arr = (F32P * len(tensors))(*[_ptr(t) for t in tensors])
+            keep.append(arr)
+            return ctypes.cast(arr, P(F32P))
+
+        def plain(module):  # the layer's weight before oneDNN packing dropped it
+            return module.weight.data.float()
+
+        I = cfg.intermediate_size
+        attn = [layer.self_attn for layer in layers]
+        packed = []  # in the order a step reads them
+        for a, l in zip(attn, layers):
+            packed += [pack_panels(plain(a.qkv_proj)), pack_panels(plain(a.o_proj)),
+                       pack_gate_up(plain(l.mlp.gate_up_proj), I), pack_panels(plain(l.mlp.down_proj))]
+        packed.append(pack_panels(model.lm_head.weight.data[: cfg.vocab_size].float()))
+        self.arena = Arena(packed)
+        del packed
+        panels = self.arena.views
+        embed = hold(model.embed_tokens.weight.data[: cfg.vocab_size].contiguous())
+        cos_sin = hold(model.cos_sin.float().contiguous())
+        self._model = _Model(
+            num_layers=len(layers), hidden=cfg.hidden_size, num_heads=attn[0].qkv_proj.local_heads,
+            num_kv_heads=attn[0].qkv_proj.local_kv_heads, head_dim=model.head_dim, intermediate=I,
+            vocab=cfg.vocab_size, max_positions=cos_sin.shape[0], eps=layers[0].input_layernorm.eps, scale=attn[0].scale,
+            embed=_ptr(embed), final_norm=_ptr(hold(model.norm.weight.data.float().contiguous())),
+            lm_head=_ptr(panels[-1]), cos_sin=_ptr(cos_sin),
+            input_norm=table([hold(l.input_layernorm.weight.data.float().contiguous()) for l in layers]),
+            post_norm=table([hold(l.post_attention_layernorm.weight.data.float().contiguous()) for l in layers]),
+            qkv=table(panels[0:-1:4]),
+            qkv_bias=table([hold(a.qkv_proj.bias.data.float().contiguous()) if a.qkv_proj.bias is not None else None for a in attn]),
+            o=table(panels[1:-1:4]),
+            gate_up=table(panels[2:-1:4]),
+            down=table(panels[3:-1:4]),
+        )
+        self._keep, self._table = keep, table
+        self.num_threads = num_threads
+        self.handle = None
+
+    def attach(self, kv_caches) -> None:
+        """Point the decoder at the KV cache (per layer, [2, num_blocks, block_size, kvh, d] views
+        of tensors stored [2, kvh, num_blocks, block_size, d]) and start its threads."""
+        for cache in kv_caches:  # the C side indexes the storage directly
+            if cache.dtype != torch.float32 or not cache.permute(0, 3, 1, 2, 4).is_contiguous():
+                raise ValueError("the C decoder needs a float32 KV cache stored [2, kvh, num_blocks, block_size, d]")
+        self.close()
+        self._model.num_blocks, self._model.block_size = kv_caches[0].shape[1], kv_caches[0].shape[2]
+        self._model.kv = self._table(list(kv_caches))
+        self.kv_caches = kv_caches
+        self.handle = self.lib.shoal_decoder_new(ctypes.byref(self._model), self.num_threads)
+        if not self.handle:
+            raise RuntimeError(f"cpu decoder: bad thread count {self.num_threads}")
+
+    @classmethod
+    def create(cls, model, num_threads: int | None = None) -> "CpuDecoder | None":
+        """The decoder for this model (whose linear weights are still plain), or None (logged)
+        where it cannot run."""
+        reason = unsupported_reason(model)
+        if reason is None:
+            try:
+                return cls(model, num_threads or torch.get_num_threads())
+            except (RuntimeError, OSError) as e:
+                reason = str(e)
+        log.info("C decode step not used: %s", reason)
+        return None
+
+    def step(self, input_ids, positions, slots, block_tables, context_lens) -> torch.Tensor:
+        """One decode token for each of B sequences (after attach): int64 tensors [B] (block_tables [B, nb]) ->
+        logits [B, vocab]. Writes the new keys and values into the KV cache."""
+        B = input_ids.shape[0]
+        if not 1 <= B <= self.max_batch:
+            raise ValueError(f"cpu decoder runs 1..{self.max_batch} sequences, got {B}")
+        args = [t.contiguous().to(torch.int64) for t in (input_ids, positions, slots, block_tables, context_lens)]
+        if int(args[1].max()) >= self._model.max_positions:  # the C side reads RoPE rows unchecked
+            raise ValueError(f"position {int(args[1].max())} is past the model's {self._model.max_positions}")
+        logits = torch.empty(B, self.vocab, dtype=torch.float32)
+        i64 = [ctypes.cast(t.data_ptr(), P(I64)) for t in args]
+        step = _Step(B, i64[0], i64[1], i64[2], i64[3], args[3].shape[1], i64[4], _ptr(logits))
+        self.lib.shoal_decoder_step(self.handle, ctypes.byref(step))
+        return logits
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.shoal_decoder_free(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        self.close()

@@ -1,0 +1,127 @@
+"""The C decode step (kernels/cpu_decode.c) against the torch model it replaces: the same
+logits and the same keys and values written into the paged cache, step after step, for
+batch sizes that hit every code path; and, in the engine, transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal import LLM, SamplingParams
+from shoal.kernels import get_ops
+from shoal.kernels.cpu_decode import CpuDecoder, cpu_supported, unsupported_reason
+from shoal.runtime.layers.attention import AttentionMetadata
+from shoal.runtime.models.llama import LlamaForCausalLM
+from shoal.runtime.models.loader import iter_weights, load_config
+from engine_helpers import hf_greedy, make_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_supported() is not None, reason=f"C decode step: {cpu_supported()}")
+
+BLOCK, NUM_BLOCKS = 4, 160
+
+
+def load(model_dir):
+    cfg = load_config(model_dir)
+    model = LlamaForCausalLM(cfg, max_positions=512)
+    model.load_weights(iter_weights(model_dir))
+    return model.eval()
+
+
+def new_caches(model):
+    """Per layer, [2, blocks, block, kvh, d] views of [2, kvh, blocks, block, d] storage (the engine's layout)."""
+    shape = (2, model.num_kv_heads, NUM_BLOCKS, BLOCK, model.head_dim)
+    return [torch.zeros(shape).permute(0, 2, 3, 1, 4) for _ in model.layers]
+
+
+def torch_step(model, caches, ids, pos, slots, tables, ctx):
+    meta = AttentionMetadata(slots, len(ids), tables, ctx, None, None, None)
+    with torch.inference_mode():
+        hidden, _ = model(get_ops("torch", "cpu"), ids, pos, [(c, None) for c in caches], meta)
+        return model.compute_logits(hidden)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory, builtin_dir):
+    """Random tiny models: Llama (untied LM head), Qwen2 (QKV biases); 8 query heads over 2 KV heads."""
+    path = tmp_path_factory.mktemp(request.param)
+    extra = {"use_sliding_window": False} if request.param == "qwen2" else {}
+    make_tiny_model(path, builtin_dir, request.param, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                    intermediate_size=96, num_hidden_layers=3, **extra)
+    return load(path)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4, 6, 17])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_steps_match_the_torch_model(tiny, batch, threads):
+    """Sequences with prompts already in the cache decode 5 tokens; each step the C decoder and
+    the torch model start from identical caches and must leave identical caches and logits."""
+    model = tiny
+    decoder = CpuDecoder.create(model, num_threads=threads)
+    assert decoder is not None
+    ours, theirs = new_caches(model), new_caches(model)
+    decoder.attach(ours)
+    per_seq = min(NUM_BLOCKS // batch, 100)  # contexts within the 512 positions
+    tables = torch.randperm(NUM_BLOCKS)[: batch * per_seq].view(batch, per_seq)  # disjoint, scattered blocks
+    ctx = torch.randint(1, per_seq * BLOCK - 5, (batch,))
+    for c in ours:
+        c.normal_()  # stands for the prompts' keys and values
+    for a, b in zip(ours, theirs):
+        b.copy_(a)
+    for _ in range(5):
+        pos = ctx - 1
+        slots = tables.gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
+        ids = torch.randint(0, model.cfg.vocab_size, (batch,))
+        expected = torch_step(model, theirs, ids, pos, slots, tables, ctx)
+        got = decoder.step(ids, pos, slots, tables, ctx)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        ctx = ctx + 1
+    decoder.close()
+
+
+def test_batch_beyond_the_c_limit_is_refused(tiny):
+    decoder = CpuDecoder.create(tiny)
+    decoder.attach(new_caches(tiny))
+    B = decoder.max_batch + 1
+    one = torch.ones(B, dtype=torch.long)
+    with pytest.raises(ValueError, match="sequences"):
+        decoder.step(one, one, one, one[:, None], one)
+
+
+def test_models_it_cannot_run_are_named(tmp_path, builtin_dir):
+    """A head size that is not a multiple of 8: the engine says why and runs the torch model."""
+    path = make_tiny_model(tmp_path / "odd", builtin_dir, hidden_size=36, num_attention_heads=2, num_key_value_heads=1,
+                           intermediate_size=40)
+    assert "multiples of 8" in unsupported_reason(load(path))
+    llm = LLM(str(path), kv_cache_memory=2**24)
+    assert llm.engine.executor.cpu_decoder is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, [5, 6, 7], 4)
+
+
+def test_engine_decodes_in_c_and_matches_transformers(llm, hf_model, tokenizer):
+    """Small decode batches of the built-in model go through the C step, and greedy tokens
+    stay transformers' own."""
+    runner = llm.engine.executor
+    assert runner.cpu_decoder is not None
+    calls = []
+    step = runner.cpu_decoder.step
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return step(*args)
+
+    runner.cpu_decoder.step = spy
+    try:
+        prompts = [tokenizer(t).input_ids for t in ("Once upon a time", "The capital of France is", "1, 2, 3,")]
+        params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0)
+        outs = llm.generate(prompts, params)
+    finally:
+        del runner.cpu_decoder.step
+    assert calls and max(calls) == 3
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 24) for p in prompts]
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
