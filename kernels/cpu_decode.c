@@ -250,6 +250,75 @@ static void rotate(float *x, const float *cs, int64_t d) {
     }
 }
 
+/* lane i of the result = the sum of the lanes of a[i] */
+static inline __m256 hsum8(const __m256 a[8]) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* softmax(q_j . K^T * scale) V for the g query heads q [g, d] that share one KV head, over the
+ * ctx tokens of a sequence's blocks (keys/values: that head's [blocks, bs, d]); out [g, d].
+ * Keys go 8 at a time (8 accumulators reduced together); values go by 32-wide column strips
+ * for 3 heads at once, so that each value row is read once and the sums stay in registers. */
+static void attend_head_group(const float *q, const float *keys, const float *values, const int64_t *table,
+                              int64_t bs, int64_t ctx, int64_t g, int64_t d, float scale, float *scores, float *out) {
+    for (int64_t blk = 0; blk * bs < ctx; blk++) {
+        const float *kb = keys + table[blk] * bs * d;
+        int64_t n = ctx - blk * bs < bs ? ctx - blk * bs : bs, o = 0;
+        for (; o + 8 <= n; o += 8) {
+            for (int64_t j = 0; j < g; j++) {
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < d; c += 8) {
+                    __m256 qv = _mm256_loadu_ps(q + j * d + c);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kb + (o + i) * d + c), qv, acc[i]);
+                }
+                _mm256_storeu_ps(scores + j * ctx + blk * bs + o, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+            }
+        }
+        for (; o < n; o++)
+            for (int64_t j = 0; j < g; j++) scores[j * ctx + blk * bs + o] = dot(q + j * d, kb + o * d, d) * scale;
+    }
+    for (int64_t j = 0; j < g; j++) {
+        float *p = scores + j * ctx, mx = -INFINITY, sum;
+        for (int64_t t = 0; t < ctx; t++) mx = p[t] > mx ? p[t] : mx;
+        int64_t t = 0;
+        __m256 vs = _mm256_setzero_ps();
+        for (; t + 8 <= ctx; t += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(p + t, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        sum = hsum(vs);
+        for (; t < ctx; t++) sum += (p[t] = expf(p[t] - mx));
+        float inv = 1.0f / sum;
+        for (t = 0; t < ctx; t++) p[t] *= inv;
+    }
+    for (int64_t c = 0; c < d; c += 32) {
+        for (int64_t j0 = 0; j0 < g; j0 += 3) {
+            __m256 acc[3][4];
+            for (int jj = 0; jj < 3; jj++)
+                for (int i = 0; i < 4; i++) acc[jj][i] = _mm256_setzero_ps();
+            for (int64_t blk = 0; blk * bs < ctx; blk++) {
+                const float *vb = values + table[blk] * bs * d + c;
+                int64_t n = ctx - blk * bs < bs ? ctx - blk * bs : bs;
+                for (int64_t o = 0; o < n; o++) {
+                    __m256 v[4];
+                    for (int i = 0; i < 4; i++) v[i] = c + 8 * i < d ? _mm256_loadu_ps(vb + o * d + 8 * i) : _mm256_setzero_ps();
+                    for (int jj = 0; jj < 3; jj++) {
+                        if (j0 + jj >= g) break;
+                        __m256 pj = _mm256_set1_ps(scores[(j0 + jj) * ctx + blk * bs + o]);
+                        for (int i = 0; i < 4; i++) acc[jj][i] = _mm256_fmadd_ps(pj, v[i], acc[jj][i]);
+                    }
+                }
+            }
+            for (int jj = 0; jj < 3 && j0 + jj < g; jj++)
+                for (int i = 0; i < 4 && c + 8 * i < d; i++) _mm256_storeu_ps(out + (j0 + jj) * d + c + 8 * i, acc[jj][i]);
+        }
+    }
+}
+
 /* For each (sequence, KV head) of this thread's share: rotate its queries and key, store the
  * key and value in the paged cache, then attend its g query heads over the sequence's context. */
 static void attention(Worker *w, int64_t layer) {
@@ -277,37 +346,8 @@ static void attention(Worker *w, int64_t layer) {
             w->scores = aligned_alloc(32, w->scores_cap * sizeof(float));
         }
         const int64_t *table = s->block_tables + b * s->max_blocks;
-        float scale = (float)m->scale;
-        for (int64_t t = 0; t < ctx; t++) {
-            const float *key = k_cache + ((kh * m->num_blocks + table[t / bs]) * bs + t % bs) * d;
-            for (int64_t j = 0; j < g; j++) w->scores[j * ctx + t] = dot(q + j * d, key, d) * scale;
-        }
-        for (int64_t j = 0; j < g; j++) {
-            float *p = w->scores + j * ctx, mx = -INFINITY, sum = 0.0f;
-            for (int64_t t = 0; t < ctx; t++) mx = p[t] > mx ? p[t] : mx;
-            int64_t t = 0;
-            __m256 vs = _mm256_setzero_ps();
-            for (; t + 8 <= ctx; t += 8) {
-                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
-                _mm256_storeu_ps(p + t, e);
-                vs = _mm256_add_ps(vs, e);
-            }
-            sum = hsum(vs);
-            for (; t < ctx; t++) sum += (p[t] = expf(p[t] - mx));
-            float inv = 1.0f / sum;
-            for (t = 0; t < ctx; t++) p[t] *= inv;
-        }
-        float *out = dec->attn + b * h * d + kh * g * d;
-        for (int64_t j = 0; j < g; j++) memset(out + j * d, 0, d * sizeof(float));
-        for (int64_t t = 0; t < ctx; t++) {
-            const float *val = v_cache + ((kh * m->num_blocks + table[t / bs]) * bs + t % bs) * d;
-            for (int64_t j = 0; j < g; j++) {
-                __m256 pj = _mm256_set1_ps(w->scores[j * ctx + t]);
-                float *o = out + j * d;
-                for (int64_t i = 0; i < d; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pj, _mm256_loadu_ps(val + i), _mm256_loadu_ps(o + i)));
-            }
-        }
+        const float *keys = k_cache + kh * m->num_blocks * bs * d, *values = v_cache + kh * m->num_blocks * bs * d;
+        attend_head_group(q, keys, values, table, bs, ctx, g, d, (float)m->scale, w->scores, dec->attn + b * h * d + kh * g * d);
     }
 }
 

@@ -32,7 +32,7 @@ class EngineConfig:
     batches_in_flight: int | None = None
     # CPU, float32, one process: decode-only steps of at most this many sequences run in the
     # C decode step (kernels/cpu_decode.c) instead of the torch model; 0 turns it off.
-    cpu_decode_max_seqs: int = 16
+    cpu_decode_max_seqs: int = 256
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
