@@ -114,8 +114,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 /* ---- work sharing ---------------------------------------------------------------- */
 
-static inline void barrier(Worker *w) {
-    (void)w;
+static inline void barrier(void) {
 #pragma omp barrier
 }
 
@@ -365,24 +364,24 @@ static void forward(Worker *w) {
     for (int64_t b = b0; b < b1; b++) memcpy(dec->resid + b * H, m->embed + s->token_ids[b] * H, H * sizeof(float));
     for (int64_t l = 0; l < m->num_layers; l++) {
         add_rms_norm(w, dec->resid, l ? dec->out : NULL, m->input_norm[l], dec->normed);
-        barrier(w);
+        barrier();
         matvec(w, m->qkv[l], m->qkv_bias[l], dec->normed, B, H, qkv_rows, qkv_rows, dec->qkv, qkv_rows);
-        barrier(w);
+        barrier();
         attention(w, l);
-        barrier(w);
+        barrier();
         matvec(w, m->o[l], NULL, dec->attn, B, attn_width, H, H, dec->out, H);
-        barrier(w);
+        barrier();
         add_rms_norm(w, dec->resid, dec->out, m->post_norm[l], dec->normed);
-        barrier(w);
+        barrier();
         gate_up_silu(w, m->gate_up[l], dec->normed, B, H, I, dec->act);
-        barrier(w);
+        barrier();
         matvec(w, m->down[l], NULL, dec->act, B, I, H, H, dec->out, H);
-        barrier(w);
+        barrier();
     }
     add_rms_norm(w, dec->resid, dec->out, m->final_norm, dec->normed);
-    barrier(w);
+    barrier();
     matvec(w, m->lm_head, NULL, dec->normed, B, H, (m->vocab + 7) / 8 * 8, m->vocab, s->logits, m->vocab);
-    barrier(w);
+    barrier();
 }
 
 /* ---- the API (ctypes) -------------------------------------------------------------- */
@@ -398,17 +397,7 @@ int64_t shoal_max_batch(void) { return MAX_BATCH; }
 Decoder *shoal_decoder_new(const Model *m, int64_t num_threads) {
     if (num_threads < 1 || num_threads > MAX_THREADS) return NULL;
     Decoder *d = calloc(1, sizeof(Decoder));
-    d->m = *m;
-    size_t layers = m->num_layers * sizeof(void *);
-    const float ***tables[] = {&d->m.input_norm, &d->m.post_norm, &d->m.qkv, &d->m.qkv_bias, &d->m.o, &d->m.gate_up, &d->m.down};
-    for (size_t i = 0; i < sizeof(tables) / sizeof(*tables); i++) { /* own copies of the per-layer pointer arrays */
-        const float **copy = malloc(layers);
-        memcpy(copy, *tables[i], layers);
-        *tables[i] = copy;
-    }
-    float **kv = malloc(layers);
-    memcpy(kv, m->kv, layers);
-    d->m.kv = kv;
+    d->m = *m; /* every array it points to stays owned (and alive) on the Python side */
     int64_t H = m->hidden, qkv_rows = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     d->resid = alloc_floats(MAX_BATCH * H);
     d->normed = alloc_floats(MAX_BATCH * H);
@@ -438,7 +427,5 @@ int64_t shoal_decoder_step(Decoder *d, const Step *s) {
 void shoal_decoder_free(Decoder *d) {
     for (int t = 0; t < MAX_THREADS; t++) free(d->workers[t].scores);
     free(d->resid); free(d->normed); free(d->out); free(d->qkv); free(d->attn); free(d->act);
-    free((void *)d->m.input_norm); free((void *)d->m.post_norm); free((void *)d->m.qkv); free((void *)d->m.qkv_bias);
-    free((void *)d->m.o); free((void *)d->m.gate_up); free((void *)d->m.down); free(d->m.kv);
     free(d);
 }

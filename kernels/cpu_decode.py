@@ -160,25 +160,17 @@ def unsupported_reason(model) -> str | None:
 
 
 class CpuDecoder:
-    """One model's decoder: its packed weights, the C handle, and its thread pool."""
+    """One model's decoder: its packed weights and the C handle (steps run on the caller's
+    OpenMP team, torch's own)."""
 
     def __init__(self, model, num_threads: int):
-        lib = load_library()
-        self.lib = lib
-        self.max_batch = int(lib.shoal_max_batch())
+        self.lib = load_library()
+        self.max_batch = int(self.lib.shoal_max_batch())
         cfg = model.cfg
         self.vocab = cfg.vocab_size
         layers = model.layers
-        keep = []  # every tensor the C side points into
-
-        def hold(t):
-            keep.append(t)
-            return t
-
-        def table(tensors):
-            arr = (F32P * len(tensors))(*[_ptr(t) for t in tensors])
-            keep.append(arr)
-            return ctypes.cast(arr, P(F32P))
+        self._keep = []  # every tensor and pointer array the C side points into
+        hold, table = self._hold, self._table
 
         def plain(module):  # the layer's weight before oneDNN packing dropped it
             return module.weight.data.float()
@@ -209,13 +201,21 @@ class CpuDecoder:
             gate_up=table(panels[2:-1:4]),
             down=table(panels[3:-1:4]),
         )
-        self._keep, self._table = keep, table
         self.num_threads = num_threads
         self.handle = None
 
+    def _hold(self, t: torch.Tensor) -> torch.Tensor:
+        self._keep.append(t)
+        return t
+
+    def _table(self, tensors):
+        """A C array of pointers to the tensors (None: NULL), kept alive with the decoder."""
+        arr = self._hold((F32P * len(tensors))(*[_ptr(t) for t in tensors]))
+        return ctypes.cast(arr, P(F32P))
+
     def attach(self, kv_caches) -> None:
         """Point the decoder at the KV cache (per layer, [2, num_blocks, block_size, kvh, d] views
-        of tensors stored [2, kvh, num_blocks, block_size, d]) and start its threads."""
+        of tensors stored [2, kvh, num_blocks, block_size, d])."""
         for cache in kv_caches:  # the C side indexes the storage directly
             if cache.dtype != torch.float32 or not cache.permute(0, 3, 1, 2, 4).is_contiguous():
                 raise ValueError("the C decoder needs a float32 KV cache stored [2, kvh, num_blocks, block_size, d]")

@@ -134,22 +134,23 @@ class ModelRunner:
         return self.config.cpu_decode_max_seqs if self.cpu_decoder is not None else 0
 
     def decode_planner(self, kv_cache_bytes: int) -> DecodeRows | None:
-        """The workspace planner for the torch backend (CPU), at most twice the KV cache."""
-        if self.ops.backend != "torch":
+        """The workspace planner for the torch backend (CPU), at most twice the KV cache. None
+        with the C decode step: it reads the paged cache in place, and the decodes of a mixed
+        step would find every row it advanced stale (a reload costs what a gather does)."""
+        if self.ops.backend != "torch" or self.cpu_decoder is not None:
             return None
         m = self.model
         per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.dtype.itemsize
-        return DecodeRows(2 * kv_cache_bytes, per_token, m.num_kv_heads, self.c_decode_max_seqs)
+        return DecodeRows(2 * kv_cache_bytes, per_token, m.num_kv_heads)
 
     def copy_block(self, src: int, dst: int) -> None:
         for cache in self.kv_caches:
             cache[:, dst].copy_(cache[:, src])
 
     def _runs_in_c(self, step: StepInput, hidden) -> bool:
-        """A decode-only step small enough for the C decoder (the planner left it unplanned)."""
+        """A decode-only step small enough for the C decoder."""
         nd = step.meta.num_decode_tokens
-        return (hidden is None and step.meta.decode_plan is None and nd == step.input_ids.shape[0]
-                and 0 < nd <= self.c_decode_max_seqs)
+        return hidden is None and nd == step.input_ids.shape[0] and 0 < nd <= self.c_decode_max_seqs
 
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden=None, residual=None):

@@ -71,11 +71,8 @@ class DecodePlan:
 class DecodeRows:
     """Leader-side planner: which row each decoding sequence uses, and what to (re)load."""
 
-    def __init__(self, max_bytes: int, bytes_per_token: int, num_kv_heads: int, direct_max_seqs: int = 0):
+    def __init__(self, max_bytes: int, bytes_per_token: int, num_kv_heads: int):
         self.max_bytes = max_bytes
-        # decode-only batches of up to this many sequences attend over the paged cache in
-        # place (the C decode step): no plan, and the rows they advance simply reload later
-        self.direct_max_seqs = direct_max_seqs
         self.bytes_per_token = bytes_per_token  # K and V of one token, all layers of a rank
         self.num_kv_heads = num_kv_heads
         self.rows, self.capacity = 0, 0
@@ -86,8 +83,6 @@ class DecodeRows:
         decodes = batch.seqs[: batch.num_decodes]
         if not decodes:
             self.assigned = {}
-            return None
-        if len(decodes) == len(batch.seqs) and len(decodes) <= self.direct_max_seqs:
             return None
         lens = {s.seq_id: s.num_computed + 1 for s in decodes}
         need_len = max(lens.values())
