@@ -4,7 +4,27 @@
 Imports are lazy so that `shoal operator` never loads torch.
 """
 
+import os as _os
+import sys as _sys
+
 __all__ = ["LLM", "SamplingParams"]
+
+
+def _unshadow_checkout_root() -> None:
+    """Drop the checkout root from sys.path (`python -m`/`-c` in the checkout put it there).
+
+    Its top-level folder kernels/ would otherwise shadow Hugging Face's `kernels` package,
+    which transformers imports when it is installed (DESIGN.md, Layout); shoal itself is
+    found through its install, never through the root.
+    """
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    if not _os.path.isfile(_os.path.join(root, "setup.py")) or not _os.path.isfile(
+            _os.path.join(root, "kernels", "cpu_decode.c")):
+        return  # an installed wheel: shoal/ sits in site-packages beside the real packages
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != root]
+
+
+_unshadow_checkout_root()
 
 
 def __getattr__(name):
