@@ -112,9 +112,9 @@ def model_name(shoal_server) -> str:
     return resp.json()["data"][0]["id"]
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int = 8) -> dict:
+def complete(url: str, model: str, prompt: str, max_tokens: int = 8, **extra) -> dict:
     resp = httpx.post(f"{url}/v1/completions", timeout=300,
-                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0})
+                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra})
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["choices"] and isinstance(body["choices"][0]["text"], str)
@@ -170,7 +170,9 @@ def test_queue_depth_rises_under_load(shoal_server, after_traffic, model_name):
 
     def one(n: int) -> None:
         try:
-            complete(shoal_server["url"], model_name, f"Count to {n}:", 12)
+            # 96 tokens each, no early EOS: seconds of work, so several 1 s rule evaluations
+            # see the requests held even when the decode step is fast
+            complete(shoal_server["url"], model_name, f"Count to {n}:", 96, ignore_eos=True)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
