@@ -101,6 +101,11 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+static inline __m256 silu8(__m256 g) {
+    __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -215,9 +220,7 @@ static void gate_up_silu(Worker *w, const float *W, const float *x, int64_t B, i
     for (int64_t q = q0; q < q1; q++) {
         panel_pair(W, q, 2 * (I / 8), x, B, K, out);
         for (int64_t b = 0; b < B; b++) {
-            __m256 g = _mm256_loadu_ps(out[b]);
-            __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            _mm256_storeu_ps(act + b * I + q * 8, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(out[b] + 8)));
+            _mm256_storeu_ps(act + b * I + q * 8, _mm256_mul_ps(silu8(_mm256_loadu_ps(out[b])), _mm256_loadu_ps(out[b] + 8)));
         }
     }
 }
@@ -422,6 +425,20 @@ int64_t shoal_decoder_step(Decoder *d, const Step *s) {
         forward(w);
     }
     return 0;
+}
+
+/* out[t] = silu(x[t, :I]) * x[t, I:] for T rows of a fused gate/up projection, in one pass
+ * (torch's silu and mul take three over the same megabytes); the prefill path uses it. */
+void shoal_silu_and_mul(const float *x, float *out, int64_t T, int64_t I, int64_t num_threads) {
+#pragma omp parallel for num_threads((int)num_threads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
 }
 
 void shoal_decoder_free(Decoder *d) {

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from shoal.kernels import reference
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -90,6 +92,7 @@ def load_library() -> ctypes.CDLL:
         lib.shoal_decoder_step.argtypes = [ctypes.c_void_p, P(_Step)]
         lib.shoal_decoder_free.argtypes = [ctypes.c_void_p]
         lib.shoal_max_batch.restype = I64
+        lib.shoal_silu_and_mul.argtypes = [F32P, F32P, I64, I64, I64]
         _LIB = lib
     return _LIB
 
@@ -254,6 +257,15 @@ class CpuDecoder:
         step = _Step(B, i64[0], i64[1], i64[2], i64[3], args[3].shape[1], i64[4], _ptr(logits))
         self.lib.shoal_decoder_step(self.handle, ctypes.byref(step))
         return logits
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """ops.silu_and_mul (kernels/reference.py) in one C pass for contiguous float32 CPU rows."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.shape[-1] % 2:
+            return reference.silu_and_mul(x)
+        half = x.shape[-1] // 2
+        out = torch.empty(*x.shape[:-1], half, dtype=torch.float32)
+        self.lib.shoal_silu_and_mul(_ptr(x), _ptr(out), x.numel() // x.shape[-1], half, self.num_threads)
+        return out
 
     def close(self) -> None:
         if self.handle:

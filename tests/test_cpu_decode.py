@@ -82,6 +82,18 @@ def test_decode_steps_match_the_torch_model(tiny, batch, threads, block):
     decoder.close()
 
 
+@pytest.mark.parametrize("rows,half", [(1, 96), (7, 12), (33, 1536)])  # 12: a tail past the 8-wide lanes
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_and_mul_matches_the_reference(tiny, rows, half, threads):
+    from shoal.kernels import reference
+
+    decoder = CpuDecoder.create(tiny, threads)
+    x = torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(rows)) * 8  # past exp's easy range
+    torch.testing.assert_close(decoder.silu_and_mul(x), reference.silu_and_mul(x), rtol=1e-5, atol=1e-6)
+    strided = torch.randn(2 * half, rows).t()  # not contiguous (rows > 1): handed to the reference
+    torch.testing.assert_close(decoder.silu_and_mul(strided), reference.silu_and_mul(strided), rtol=1e-5, atol=1e-6)
+
+
 def test_batch_beyond_the_c_limit_is_refused(tiny):
     decoder = CpuDecoder.create(tiny)
     decoder.attach(new_caches(tiny, 16))
