@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shoal import LLM, SamplingParams
-from shoal.kernels import get_ops
+from shoal.kernels import get_ops, reference
 from shoal.kernels.cpu_decode import CpuDecoder, cpu_supported, unsupported_reason
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.models.llama import LlamaForCausalLM
@@ -85,8 +85,6 @@ def test_decode_steps_match_the_torch_model(tiny, batch, threads, block):
 @pytest.mark.parametrize("rows,half", [(1, 96), (7, 12), (33, 1536)])  # 12: a tail past the 8-wide lanes
 @pytest.mark.parametrize("threads", [1, 2])
 def test_silu_and_mul_matches_the_reference(tiny, rows, half, threads):
-    from shoal.kernels import reference
-
     decoder = CpuDecoder.create(tiny, threads)
     x = torch.randn(rows, 2 * half, generator=torch.Generator().manual_seed(rows)) * 8  # past exp's easy range
     torch.testing.assert_close(decoder.silu_and_mul(x), reference.silu_and_mul(x), rtol=1e-5, atol=1e-6)

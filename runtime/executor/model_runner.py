@@ -3,7 +3,6 @@ over the paged KV cache, and returns logits for the rows that sample."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -13,6 +12,7 @@ import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.engine.scheduler import ScheduledBatch
+from shoal.runtime.executor.cpu_heap import keep_freed_heap_memory
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
@@ -33,24 +33,6 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
-
-
-def keep_freed_heap_memory(limit: int = 1 << 30) -> None:
-    """Serve CPU tensors under `limit` bytes from glibc's heap, and keep what they free there.
-
-    By default glibc maps each large block fresh from the kernel and trims the heap on free,
-    so every step's activations (megabytes per op) page-fault and get zeroed anew: on the
-    public workload's prefill that was ~10^6 faults and ~20% of the time. Steps reuse the
-    same sizes, so the heap settles at the peak working set."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, limit)
-        libc.mallopt(M_TRIM_THRESHOLD, limit)
-    except (OSError, AttributeError):  # not glibc: its allocator has its own policy
-        pass
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 
 
 def pad_rows(rows: list[list[int]]) -> torch.Tensor:
@@ -109,15 +91,15 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(self.dtype).eval()
         self.model.cos_sin = self.model.cos_sin.float()
+        self.cpu_decoder = None  # the C decode step, for small decode-only batches
         if self.device.type == "cpu":
             keep_freed_heap_memory()
-        self.cpu_decoder = None  # the C decode step, for small decode-only batches
-        if self.device.type == "cpu" and config.cpu_decode_max_seqs:
-            from shoal.kernels.cpu_decode import CpuDecoder
+            if config.cpu_decode_max_seqs:
+                from shoal.kernels.cpu_decode import CpuDecoder
 
-            self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
-            if self.cpu_decoder is not None:  # the same library fuses the prefill's SwiGLU
-                self.ops = SimpleNamespace(**{**vars(self.ops), "silu_and_mul": self.cpu_decoder.silu_and_mul})
+                self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
+        if self.cpu_decoder is not None:  # the same library fuses the prefill's SwiGLU
+            self.ops = SimpleNamespace(**vars(self.ops) | {"silu_and_mul": self.cpu_decoder.silu_and_mul})
         if pack_for_cpu(self.model):
             log.info("linear weights prepacked for oneDNN")
         self.kv_caches: list[torch.Tensor] = []
