@@ -4,6 +4,7 @@ over the paged KV cache, and returns logits for the rows that sample."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.engine.scheduler import ScheduledBatch
-from shoal.runtime.executor.cpu_heap import keep_freed_heap_memory
+from shoal.runtime.executor.cpu_memory import huge_page_zeros, keep_freed_heap_memory
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
@@ -126,11 +127,15 @@ class ModelRunner:
         m = self.model
         # Stored [2, kvh, blocks, block_size, d], seen as [2, blocks, block_size, kvh, d]
         # (kernels/reference.py: a gather then yields each head's keys contiguous).
-        # zeros: calloc'd pages on CPU, so untouched memory costs nothing and is never NaN.
+        # Zeroed, so that slots never written are never NaN (masked attention multiplies by 0).
+        # On CPU one pool in huge pages: a decode step reads blocks scattered all over it.
         shape = (2, m.num_kv_heads, num_blocks, self.config.block_size, m.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device).permute(0, 2, 3, 1, 4) for _ in m.layers
-        ]
+        if self.device.type == "cpu":
+            pool = huge_page_zeros(len(m.layers) * math.prod(shape), self.dtype).view(len(m.layers), *shape)
+            caches = list(pool.unbind(0))
+        else:
+            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in m.layers]
+        self.kv_caches = [c.permute(0, 2, 3, 1, 4) for c in caches]
         if self.cpu_decoder is not None:
             self.cpu_decoder.attach(self.kv_caches)
 
