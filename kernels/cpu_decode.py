@@ -49,6 +49,13 @@ class _Step(ctypes.Structure):
                 ("block_tables", P(I64)), ("max_blocks", I64), ("context_lens", P(I64)), ("logits", F32P)]
 
 
+class _Prefill(ctypes.Structure):
+    _fields_ = [("q", F32P), ("q_stride", I64), ("k_cache", F32P), ("v_cache", F32P), ("block_stride", I64),
+                ("head_stride", I64), ("block_size", I64), ("block_tables", P(I64)), ("max_blocks", I64),
+                ("query_start_loc", P(I64)), ("context_lens", P(I64)), ("batch", I64), ("heads", I64),
+                ("kv_heads", I64), ("head_dim", I64), ("scale", ctypes.c_double), ("out", F32P)]
+
+
 def _cache_dir() -> Path:
     from shoal.runtime.models.loader import cache_dir
 
@@ -93,6 +100,8 @@ def load_library() -> ctypes.CDLL:
         lib.shoal_decoder_free.argtypes = [ctypes.c_void_p]
         lib.shoal_max_batch.restype = I64
         lib.shoal_silu_and_mul.argtypes = [F32P, F32P, I64, I64, I64]
+        lib.shoal_prefill_attention.restype = I64
+        lib.shoal_prefill_attention.argtypes = [P(_Prefill), I64]
         _LIB = lib
     return _LIB
 
@@ -265,6 +274,28 @@ class CpuDecoder:
         half = x.shape[-1] // 2
         out = torch.empty(*x.shape[:-1], half, dtype=torch.float32)
         self.lib.shoal_silu_and_mul(_ptr(x), _ptr(out), x.numel() // x.shape[-1], half, self.num_threads)
+        return out
+
+    def paged_attention_prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+        """ops.paged_attention_prefill (kernels/reference.py) in C, reading the paged cache in
+        place: float32 on the CPU, each head's d values contiguous; else the reference."""
+        T, h, d = q.shape
+        kvh = k_cache.shape[2]
+        ok = (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and q.device.type == "cpu"
+              and q.stride(2) == 1 and q.stride(1) == d and k_cache.stride() == v_cache.stride()
+              and k_cache.stride(1) == d and k_cache.stride(3) == 1 and h % kvh == 0)
+        if not ok:
+            return reference.paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+        meta = [t.contiguous().to(torch.int64) for t in (block_tables, query_start_loc, context_lens)]
+        out = torch.empty(T, h, d, dtype=torch.float32)
+        args = _Prefill(
+            q=_ptr(q), q_stride=q.stride(0), k_cache=_ptr(k_cache), v_cache=_ptr(v_cache), block_stride=k_cache.stride(0),
+            head_stride=k_cache.stride(2), block_size=k_cache.shape[1], block_tables=ctypes.cast(meta[0].data_ptr(), P(I64)),
+            max_blocks=meta[0].shape[1], query_start_loc=ctypes.cast(meta[1].data_ptr(), P(I64)),
+            context_lens=ctypes.cast(meta[2].data_ptr(), P(I64)), batch=meta[2].shape[0], heads=h, kv_heads=kvh,
+            head_dim=d, scale=scale, out=_ptr(out))
+        if self.lib.shoal_prefill_attention(ctypes.byref(args), self.num_threads):
+            raise MemoryError("cpu prefill attention: out of memory for its scratch")
         return out
 
     def close(self) -> None:

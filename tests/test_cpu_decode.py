@@ -1,6 +1,7 @@
 """The C decode step (kernels/cpu_decode.c) against the torch model it replaces: the same
 logits and the same keys and values written into the paged cache, step after step, for
-batch sizes that hit every code path; and, in the engine, transformers' greedy tokens."""
+batch sizes that hit every code path; the library's prefill kernels against the torch
+references; and, in the engine, transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -90,6 +91,31 @@ def test_silu_and_mul_matches_the_reference(tiny, rows, half, threads):
     torch.testing.assert_close(decoder.silu_and_mul(x), reference.silu_and_mul(x), rtol=1e-5, atol=1e-6)
     strided = torch.randn(2 * half, rows).t()  # not contiguous (rows > 1): handed to the reference
     torch.testing.assert_close(decoder.silu_and_mul(strided), reference.silu_and_mul(strided), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 40, 32), (4, 4, 24, 8), (6, 1, 64, 4)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_matches_the_reference(tiny, heads, kv_heads, d, block, threads):
+    """A ragged step: whole prompts, chunks after a cached prefix, a one-token chunk, a prompt
+    shorter than a block; scattered blocks; queries strided as the QKV split leaves them;
+    head sizes that are not a multiple of 16 and GQA ratios from 1 to 6."""
+    decoder = CpuDecoder.create(tiny, threads)
+    g = torch.Generator().manual_seed(heads * d + block)
+    blocks = 160
+    store = torch.randn(2, kv_heads, blocks, block, d, generator=g)  # the engine's layout
+    k_cache, v_cache = store[0].permute(1, 2, 0, 3), store[1].permute(1, 2, 0, 3)
+    ctx = torch.tensor([37, 100, 5, 64, 1, 90])
+    q_len = torch.tensor([37, 20, 5, 33, 1, 1])
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), q_len.cumsum(0)))
+    width = -(-int(ctx.max()) // block)
+    tables = torch.randperm(blocks, generator=g)[: len(ctx) * width].view(len(ctx), width)
+    T = int(q_len.sum())
+    q = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g)[:, : heads * d].view(T, heads, d)
+    args = (q, k_cache, v_cache, tables, starts, ctx, d**-0.5)
+    torch.testing.assert_close(decoder.paged_attention_prefill(*args), reference.paged_attention_prefill(*args),
+                               rtol=1e-5, atol=1e-5)
+    wide = (q.double(), k_cache.double(), v_cache.double(), *args[3:])  # not float32: handed to the reference
+    torch.testing.assert_close(decoder.paged_attention_prefill(*wide), reference.paged_attention_prefill(*wide))
 
 
 def test_batch_beyond_the_c_limit_is_refused(tiny):

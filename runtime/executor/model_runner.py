@@ -99,8 +99,10 @@ class ModelRunner:
                 from shoal.kernels.cpu_decode import CpuDecoder
 
                 self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
-        if self.cpu_decoder is not None:  # the same library fuses the prefill's SwiGLU
-            self.ops = SimpleNamespace(**vars(self.ops) | {"silu_and_mul": self.cpu_decoder.silu_and_mul})
+        if self.cpu_decoder is not None:  # the same library runs the prefill's SwiGLU and attention
+            c = self.cpu_decoder
+            self.ops = SimpleNamespace(**vars(self.ops) | {"silu_and_mul": c.silu_and_mul,
+                                                           "paged_attention_prefill": c.paged_attention_prefill})
         if pack_for_cpu(self.model):
             log.info("linear weights prepacked for oneDNN")
         self.kv_caches: list[torch.Tensor] = []
