@@ -344,6 +344,25 @@ static void attend_head_group(const float *q, const float *keys, const float *va
     }
 }
 
+/* [begin, end) of the step's n_items = B x kvh (sequence, KV head) items for this thread, cut
+ * so that each thread reads about the same number of cached tokens (contexts within a batch
+ * differ by 10x and more). An item weighs its context plus a fixed cost. */
+static void share_by_context(const Worker *w, const Step *s, int64_t kvh, int64_t *begin, int64_t *end) {
+    int64_t n = s->batch * kvh, total = 0, seen = 0, t = w->num_threads;
+    for (int64_t i = 0; i < n; i++) total += s->context_lens[i / kvh] + 16;
+    *begin = *end = n;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t weight = s->context_lens[i / kvh] + 16, owner = (seen + weight / 2) * t / total; /* where its midpoint falls */
+        if (owner == w->tid && *begin == n) *begin = i;
+        if (owner > w->tid) {
+            *end = i;
+            break;
+        }
+        seen += weight;
+    }
+    if (*begin == n) *end = n; /* an empty share */
+}
+
 /* For each (sequence, KV head) of this thread's share: rotate its queries and key, store the
  * key and value in the paged cache, then attend its g query heads over the sequence's context. */
 static void attention(Worker *w, int64_t layer) {
@@ -354,7 +373,7 @@ static void attention(Worker *w, int64_t layer) {
     int64_t row = (h + 2 * kvh) * d;
     float *k_cache = m->kv[layer], *v_cache = k_cache + kvh * m->num_blocks * bs * d;
     int64_t i0, i1;
-    share(w, s->batch * kvh, &i0, &i1);
+    share_by_context(w, s, kvh, &i0, &i1);
     for (int64_t item = i0; item < i1; item++) {
         int64_t b = item / kvh, kh = item % kvh, ctx = s->context_lens[b];
         float *q = dec->qkv + b * row + kh * g * d, *k = dec->qkv + b * row + (h + kh) * d, *v = k + kvh * d;
