@@ -110,6 +110,21 @@ static inline __m256 silu8(__m256 g) {
     return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
 
+/* max(p[0..n)), 8 lanes at a time (the compiler keeps a scalar chain: NaN rules), n >= 1 */
+static inline float max_of(const float *p, int64_t n) {
+    int64_t t = 0;
+    float m = p[0];
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(p);
+        for (t = 8; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(p + t));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+    for (; t < n; t++) m = p[t] > m ? p[t] : m;
+    return m;
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -304,8 +319,7 @@ static void attend_head_group(const float *q, const float *keys, const float *va
             for (int64_t j = 0; j < g; j++) scores[j * ctx + blk * bs + o] = dot(q + j * d, kb + o * d, d) * scale;
     }
     for (int64_t j = 0; j < g; j++) {
-        float *p = scores + j * ctx, mx = -INFINITY, sum;
-        for (int64_t t = 0; t < ctx; t++) mx = p[t] > mx ? p[t] : mx;
+        float *p = scores + j * ctx, mx = max_of(p, ctx), sum;
         int64_t t = 0;
         __m256 vs = _mm256_setzero_ps();
         for (; t + 8 <= ctx; t += 8) {
@@ -568,16 +582,9 @@ static void prefill_item(const Prefill *a, int64_t b, int64_t t0, int64_t n_q, i
                 continue;
             }
             float m = mx[r];
-            int64_t t = 0;
-            if (seen >= 8) {
-                __m256 vm = _mm256_loadu_ps(p);
-                for (t = 8; t + 8 <= seen; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(p + t));
-                __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_max_ss(h, _mm_movehdup_ps(h));
-                m = _mm_cvtss_f32(h) > m ? _mm_cvtss_f32(h) : m;
-            }
-            for (; t < seen; t++) m = p[t] > m ? p[t] : m;
+            float block_max = max_of(p, seen);
+            m = block_max > m ? block_max : m;
+            int64_t t;
             if (m > mx[r]) {
                 float alpha = expf(mx[r] - m);
                 sum[r] *= alpha;
