@@ -59,6 +59,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.execution.max_workers = 8
+    # A resync timer still running when its object is deleted holds kopf's finalizer, and kopf
+    # looks again only every cancellation_polling seconds (60 by default): a `kubectl delete`
+    # could hang a minute. The timer's work is short, so look every second.
+    settings.background.cancellation_polling = 1.0
     # Scanning notices CRDs and namespaces appearing later; off only where the API cannot list
     # namespaces (e.g. the KMock emulator in tests/operator).
     settings.scanning.disabled = os.environ.get("SHOAL_OPERATOR_SCANNING", "1") == "0"

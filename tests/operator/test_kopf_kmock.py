@@ -376,3 +376,33 @@ async def garbage_collect(k: Any, dead_uids: set[str]) -> list[str]:
                     dead_uids.add(obj["metadata"].get("uid", obj["metadata"]["name"]))
                     changed = True
     return collected
+
+
+async def test_delete_while_the_resync_timer_runs(cluster, monkeypatch):
+    """kopf holds its finalizer until the object's timer has exited; one caught mid-run must
+    not keep a deletion waiting for kopf's default re-check a minute later."""
+    from shoal.operator import controller
+
+    in_timer = threading.Event()
+    real_trigger = controller.Controller.trigger
+
+    def slow_resync(self, namespace, name, scrape=False):
+        if scrape:  # the timer's call: make it long enough to be caught running
+            in_timer.set()
+            time.sleep(2.0)
+        return real_trigger(self, namespace, name, scrape=scrape)
+
+    monkeypatch.setattr(controller.Controller, "trigger", slow_resync)
+    k = cluster
+    async with operator_running():
+        async with k.post(IDF, json=idf(replicas=1)) as resp:
+            assert resp.status in (200, 201)
+        assert await asyncio.to_thread(in_timer.wait, 30), "the resync timer never ran"
+        async with k.delete(f"{IDF}/demo") as resp:
+            assert resp.status == 200
+
+        async def gone():
+            return await get(k, f"{IDF}/demo") is None
+        started = time.monotonic()
+        await eventually(gone, timeout=20)  # kopf's default re-check would come after 60 s
+        assert time.monotonic() - started < 20
