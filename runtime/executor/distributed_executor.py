@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -69,11 +68,12 @@ class DistributedExecutor:
             for rank in spec.local_ranks()[1:]:
                 self.children.append(launch.spawn_rank(config, spec, rank, max_model_len, local_rank=rank - first))
             log.info("group %s: waiting for %d ranks to join on port %d", spec.name, spec.world_size, spec.port)
+            others = range(1, spec.world_size)
+            self._wait_for(self._store, [f"arrived/{r}" for r in others], join_timeout, "joining")
             self.m = launch.join_group(spec, 0, launch.backend_for(config), store=self._store, join_timeout=join_timeout)
             self.runner = ModelRunner(config, hf_config, model_dir, max_model_len, self.m.state, layer_split)
             self.m.store.set("ready/0", "1")
-            others = [f"ready/{r}" for r in range(1, spec.world_size)]
-            self.m.store.wait(others, timedelta(seconds=join_timeout))  # every rank has loaded its shard
+            self._wait_for(self.m.store, [f"ready/{r}" for r in others], join_timeout, "loading their shards")
             self.watchdog.joined = True
         except BaseException:
             self._teardown(clean=False)
@@ -158,12 +158,30 @@ class DistributedExecutor:
                 return worker.gather(self._local_reply(message), self.m)
             worker.handle(message, self.runner, self.m)
         except Exception as e:
-            if self.failed:
-                raise GroupFailed(f"the parallel group failed: {self.failed}") from e
+            if (why := self.group_gone()):
+                raise GroupFailed(f"the parallel group failed: {why}") from e
             raise
         finally:
             if timed:
                 self.watchdog.step_started = None
+
+    def group_gone(self) -> str | None:
+        """Why the group cannot go on: the watchdog's finding, or a local rank seen dead now
+        (a collective can fail on a dead peer before the next heartbeat check)."""
+        if self.failed is None and (dead := self.watchdog.dead_child()):
+            self.failed = dead
+        return self.failed
+
+    def _wait_for(self, store, keys: list[str], timeout: float, what: str) -> None:
+        """Wait until every rank has set its key, failing at once when a rank dies meanwhile
+        (a store wait, or torch.distributed's own rendezvous, would sit out the timeout)."""
+        deadline = time.monotonic() + timeout
+        while not store.check(keys):
+            if (why := self.group_gone()):
+                raise GroupFailed(f"the parallel group failed while {what}: {why}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {self.spec.name}: the ranks were not done {what} after {timeout:g}s")
+            time.sleep(0.05)
 
     def _local_reply(self, message):
         try:
@@ -214,8 +232,8 @@ class PendingStep:
                     if isinstance(w, dist.Work):
                         w.wait()
             except Exception as e:
-                if ex.failed:
-                    raise GroupFailed(f"the parallel group failed: {ex.failed}") from e
+                if (why := ex.group_gone()):
+                    raise GroupFailed(f"the parallel group failed: {why}") from e
                 raise
             self.done, self.works = True, []
         if self in ex._in_flight:

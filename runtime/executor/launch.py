@@ -178,6 +178,8 @@ def join_group(spec: GroupSpec, rank: int, backend: str, store=None, join_timeou
     # Generous collective timeouts: a worker idles in the control broadcast as long as the
     # server has no work. Liveness is the watchdog's job, not the collectives'.
     long = timedelta(days=1)
+    if rank:  # the leader waits for every rank's arrival first, watching for ranks that die
+        store.set(f"arrived/{rank}", "1")
     dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=spec.world_size, timeout=long)
     tp_group = None
     for stage in range(spec.pipeline):  # every rank creates every group, in the same order
@@ -298,7 +300,7 @@ class Watchdog(threading.Thread):
             return False
         return now - last[1] > self.timeout
 
-    def _dead_child(self) -> str | None:
+    def dead_child(self) -> str | None:
         for child in self.children:
             code = child.poll()
             if code is not None and not (self.stopping.is_set() and code == 0):
@@ -306,7 +308,7 @@ class Watchdog(threading.Thread):
         return None
 
     def check_leader(self) -> str | None:
-        if (dead := self._dead_child()):
+        if (dead := self.dead_child()):
             return dead
         now = time.monotonic()
         others = range(1, self.spec.world_size)
@@ -320,7 +322,7 @@ class Watchdog(threading.Thread):
         return None
 
     def check_worker(self) -> str | None:
-        if (dead := self._dead_child()):
+        if (dead := self.dead_child()):
             return dead
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             return "the process that started this rank exited"

@@ -219,3 +219,42 @@ def test_default_split_balances_stage_weights(builtin_dir, pp, vocab):
     assert max(weights[:-1]) - min(weights[:-1]) <= layer
     if split[-1] > 1:
         assert abs(weights[-1] - sum(weights) / pp) <= layer / 2
+
+
+def test_a_rank_dead_before_joining_fails_the_join_at_once(tiny_dir, monkeypatch):
+    """exit_on_group_failure=False (a program embedding the offline LLM): a rank that dies
+    before it joins raises GroupFailed within seconds, not after group_join_timeout."""
+    from shoal import LLM
+    from shoal.runtime.executor.distributed_executor import GroupFailed
+
+    monkeypatch.setattr(launch, "spawn_rank", lambda *a, **k: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"]))
+    started = time.monotonic()
+    with pytest.raises(GroupFailed, match="joining.*exited with code 3"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, extra={"exit_on_group_failure": False, "group_join_timeout": 300})
+    assert time.monotonic() - started < EXIT_WITHIN
+
+
+def test_a_rank_dying_mid_run_raises_group_failed(tiny_dir):
+    """exit_on_group_failure=False: the next step after a rank died raises GroupFailed (the
+    collective's own error may come before the watchdog's next look), and nothing hangs."""
+    from shoal import LLM, SamplingParams
+    from shoal.runtime.executor.distributed_executor import GroupFailed
+
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, kv_cache_memory=kv_memory(_config(tiny_dir), 2, 1),
+              extra={"exit_on_group_failure": False})
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+    (child,) = llm.engine.executor.children
+    child.kill()
+    child.wait(10)
+    started = time.monotonic()
+    with pytest.raises(GroupFailed, match="exited"):
+        llm.generate([[8, 9, 10]], params)
+    assert time.monotonic() - started < EXIT_WITHIN
+    llm.engine.shutdown()
+
+
+def _config(model_dir):
+    from shoal.runtime.models.loader import load_config
+
+    return load_config(model_dir)
