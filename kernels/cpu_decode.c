@@ -125,6 +125,20 @@ static inline float max_of(const float *p, int64_t n) {
     return m;
 }
 
+/* p[0..n) = exp(p - m), 8 lanes at a time; returns sum0 plus their sum (a softmax's denominator) */
+static inline float exp_shifted(float *p, int64_t n, float m, float sum0) {
+    int64_t t = 0;
+    __m256 vs = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(p + t, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    float sum = sum0 + hsum(vs);
+    for (; t < n; t++) sum += (p[t] = expf(p[t] - m));
+    return sum;
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
@@ -319,18 +333,8 @@ static void attend_head_group(const float *q, const float *keys, const float *va
             for (int64_t j = 0; j < g; j++) scores[j * ctx + blk * bs + o] = dot(q + j * d, kb + o * d, d) * scale;
     }
     for (int64_t j = 0; j < g; j++) {
-        float *p = scores + j * ctx, mx = max_of(p, ctx), sum;
-        int64_t t = 0;
-        __m256 vs = _mm256_setzero_ps();
-        for (; t + 8 <= ctx; t += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
-            _mm256_storeu_ps(p + t, e);
-            vs = _mm256_add_ps(vs, e);
-        }
-        sum = hsum(vs);
-        for (; t < ctx; t++) sum += (p[t] = expf(p[t] - mx));
-        float inv = 1.0f / sum;
-        for (t = 0; t < ctx; t++) p[t] *= inv;
+        float *p = scores + j * ctx, inv = 1.0f / exp_shifted(p, ctx, max_of(p, ctx), 0.0f);
+        for (int64_t t = 0; t < ctx; t++) p[t] *= inv;
     }
     prefetch(values + table[0] * bs * d, bs * d);
     for (int64_t c = 0; c < d; c += 32) {
@@ -361,7 +365,7 @@ static void attend_head_group(const float *q, const float *keys, const float *va
 /* [begin, end) of the step's n_items = B x kvh (sequence, KV head) items for this thread, cut
  * so that each thread reads about the same number of cached tokens (contexts within a batch
  * differ by 10x and more). An item weighs its context plus a fixed cost. */
-static void share_by_context(const Worker *w, const Step *s, int64_t kvh, int64_t *begin, int64_t *end) {
+static void share_by_context(const Worker *w, const Step *s, int64_t kvh, int64_t *begin, int64_t *end) { /* empty: begin >= end */
     int64_t n = s->batch * kvh, total = 0, seen = 0, t = w->num_threads;
     for (int64_t i = 0; i < n; i++) total += s->context_lens[i / kvh] + 16;
     *begin = *end = n;
@@ -374,7 +378,6 @@ static void share_by_context(const Worker *w, const Step *s, int64_t kvh, int64_
         }
         seen += weight;
     }
-    if (*begin == n) *end = n; /* an empty share */
 }
 
 /* For each (sequence, KV head) of this thread's share: rotate its queries and key, store the
@@ -581,25 +584,15 @@ static void prefill_item(const Prefill *a, int64_t b, int64_t t0, int64_t n_q, i
                 memset(p, 0, n * sizeof(float));
                 continue;
             }
-            float m = mx[r];
-            float block_max = max_of(p, seen);
-            m = block_max > m ? block_max : m;
-            int64_t t;
+            float block_max = max_of(p, seen), m = block_max > mx[r] ? block_max : mx[r];
             if (m > mx[r]) {
                 float alpha = expf(mx[r] - m);
                 sum[r] *= alpha;
                 for (int64_t c = 0; c < d; c++) o[r * d + c] *= alpha;
                 mx[r] = m;
             }
-            __m256 vs = _mm256_setzero_ps();
-            for (t = 0; t + 8 <= seen; t += 8) {
-                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(m)));
-                _mm256_storeu_ps(p + t, e);
-                vs = _mm256_add_ps(vs, e);
-            }
-            sum[r] += hsum(vs);
-            for (; t < seen; t++) sum[r] += (p[t] = expf(p[t] - m));
-            for (; t < n; t++) p[t] = 0.0f;
+            sum[r] = exp_shifted(p, seen, m, sum[r]);
+            for (int64_t t = seen; t < n; t++) p[t] = 0.0f;
         }
         for (int64_t c = 0; c < d; c += 16) { /* o += s v, 16 columns of the values at a time */
             int two = c + 8 < d;

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from shoal.kernels import reference
+from shoal.runtime.executor.cpu_memory import huge_page_zeros
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +134,10 @@ class Arena:
     allows (madvise): the hardware prefetchers stop at every 4 KiB page boundary, and a
     decode step streams every weight once."""
 
-    HUGE = 2 * 2**20
-
     def __init__(self, tensors: list[torch.Tensor]):
         sizes = [-(-t.numel() // 16) * 16 for t in tensors]  # 64-byte aligned slices
-        total = sum(sizes)
-        self.buffer = torch.empty(total + self.HUGE // 4, dtype=torch.float32)
-        start = (-self.buffer.data_ptr() % self.HUGE) // 4
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(self.buffer.data_ptr() + 4 * start, 4 * total, 14)  # MADV_HUGEPAGE; harmless if refused
-        self.views, offset = [], start
+        self.buffer = huge_page_zeros(sum(sizes), torch.float32)
+        self.views, offset = [], 0
         for t, size in zip(tensors, sizes):
             view = self.buffer[offset : offset + t.numel()].view(t.shape)
             view.copy_(t)
@@ -153,6 +147,10 @@ class Arena:
 
 def _ptr(t: torch.Tensor | None):
     return ctypes.cast(t.data_ptr(), F32P) if t is not None else None
+
+
+def _i64(t: torch.Tensor):
+    return ctypes.cast(t.data_ptr(), P(I64))
 
 
 def unsupported_reason(model) -> str | None:
@@ -262,7 +260,7 @@ class CpuDecoder:
         if int(args[1].max()) >= self._model.max_positions:  # the C side reads RoPE rows unchecked
             raise ValueError(f"position {int(args[1].max())} is past the model's {self._model.max_positions}")
         logits = torch.empty(B, self.vocab, dtype=torch.float32)
-        i64 = [ctypes.cast(t.data_ptr(), P(I64)) for t in args]
+        i64 = [_i64(t) for t in args]
         step = _Step(B, i64[0], i64[1], i64[2], i64[3], args[3].shape[1], i64[4], _ptr(logits))
         self.lib.shoal_decoder_step(self.handle, ctypes.byref(step))
         return logits
@@ -290,9 +288,9 @@ class CpuDecoder:
         out = torch.empty(T, h, d, dtype=torch.float32)
         args = _Prefill(
             q=_ptr(q), q_stride=q.stride(0), k_cache=_ptr(k_cache), v_cache=_ptr(v_cache), block_stride=k_cache.stride(0),
-            head_stride=k_cache.stride(2), block_size=k_cache.shape[1], block_tables=ctypes.cast(meta[0].data_ptr(), P(I64)),
-            max_blocks=meta[0].shape[1], query_start_loc=ctypes.cast(meta[1].data_ptr(), P(I64)),
-            context_lens=ctypes.cast(meta[2].data_ptr(), P(I64)), batch=meta[2].shape[0], heads=h, kv_heads=kvh,
+            head_stride=k_cache.stride(2), block_size=k_cache.shape[1], block_tables=_i64(meta[0]),
+            max_blocks=meta[0].shape[1], query_start_loc=_i64(meta[1]), context_lens=_i64(meta[2]),
+            batch=meta[2].shape[0], heads=h, kv_heads=kvh,
             head_dim=d, scale=scale, out=_ptr(out))
         if self.lib.shoal_prefill_attention(ctypes.byref(args), self.num_threads):
             raise MemoryError("cpu prefill attention: out of memory for its scratch")
