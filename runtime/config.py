@@ -31,7 +31,7 @@ class EngineConfig:
     # Batches the engine keeps in the pipe at once; None: one per pipeline stage (1 = serial).
     batches_in_flight: int | None = None
     # CPU, float32, one process: decode-only steps of at most this many sequences run in the
-    # C decode step (kernels/cpu_decode.c) instead of the torch model; 0 turns it off.
+    # C decode step (runtime/models/cpu_llama.c) instead of the torch model; 0 turns it off.
     cpu_decode_max_seqs: int = 256
     extra: dict = field(default_factory=dict)
 

@@ -19,7 +19,7 @@ def _unshadow_checkout_root() -> None:
     """
     root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     if not _os.path.isfile(_os.path.join(root, "setup.py")) or not _os.path.isfile(
-            _os.path.join(root, "kernels", "cpu_decode.c")):
+            _os.path.join(root, "kernels", "__init__.py")):
         return  # an installed wheel: shoal/ sits in site-packages beside the real packages
     _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != root]
 

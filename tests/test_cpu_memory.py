@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal.runtime.executor.cpu_memory import HUGE_PAGE, huge_page_zeros
+from shoal.runtime.cpu_memory import HUGE_PAGE, huge_page_zeros
 
 
 def _mapping_stats(address: int) -> dict[str, str]:

@@ -13,7 +13,7 @@ import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.engine.scheduler import ScheduledBatch
-from shoal.runtime.executor.cpu_memory import huge_page_zeros, keep_freed_heap_memory
+from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
@@ -96,7 +96,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_heap_memory()
             if config.cpu_decode_max_seqs:
-                from shoal.kernels.cpu_decode import CpuDecoder
+                from shoal.runtime.models.cpu_llama import CpuDecoder
 
                 self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
         if self.cpu_decoder is not None:  # the same library runs the prefill's SwiGLU and attention

@@ -1,4 +1,4 @@
-"""The CPU decode step in C (cpu_decode.c): build it, pack a model's weights for it, run it.
+"""The CPU decode step in C (cpu_llama.c): build it, pack a model's weights for it, run it.
 
     decoder = CpuDecoder.create(model)   # before oneDNN packing; None where it cannot run
     decoder.attach(kv_caches)            # once the KV cache exists
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from shoal.kernels import reference
-from shoal.runtime.executor.cpu_memory import huge_page_zeros
+from shoal.runtime.cpu_memory import huge_page_zeros
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCE = Path(__file__).with_name("cpu_llama.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp"]
 P = ctypes.POINTER
 F32P = P(ctypes.c_float)
@@ -67,7 +67,7 @@ def _compile() -> Path:
     """The shared library for this source and these flags, compiled once (atomic rename)."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_decode-{key}.so"
+    out = _cache_dir() / f"cpu_llama-{key}.so"
     if out.exists():
         return out
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")

@@ -1,4 +1,4 @@
-"""The C decode step (kernels/cpu_decode.c) against the torch model it replaces: the same
+"""The C decode step (runtime/models/cpu_llama.c) against the torch model it replaces: the same
 logits and the same keys and values written into the paged cache, step after step, for
 batch sizes that hit every code path; the library's prefill kernels against the torch
 references; and, in the engine, transformers' greedy tokens."""
@@ -10,7 +10,7 @@ import torch
 
 from shoal import LLM, SamplingParams
 from shoal.kernels import get_ops, reference
-from shoal.kernels.cpu_decode import CpuDecoder, cpu_supported, unsupported_reason
+from shoal.runtime.models.cpu_llama import CpuDecoder, cpu_supported, unsupported_reason
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.models.llama import LlamaForCausalLM
 from shoal.runtime.models.loader import iter_weights, load_config

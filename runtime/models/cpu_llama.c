@@ -20,7 +20,7 @@
  * The reference is the torch model (runtime/models/llama.py over kernels/reference.py):
  * tests compare logits, cache contents, and each prefill op's output. Shapes and the cache layout are those of
  * kernels/reference.py; the cache is stored [2, kvh, num_blocks, block_size, d].
- * Compiled at first use (kernels/cpu_decode.py) with -O3 -mavx2 -mfma.
+ * Compiled at first use (runtime/models/cpu_llama.py) with -O3 -mavx2 -mfma.
  */
 #include <immintrin.h>
 #include <math.h>
