@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from shoal.kernels import reference as ref
-from shoal.runtime.executor.model_runner import pad_rows
+from shoal.runtime.engine.step_input import pad_rows
 from shoal.runtime.layers.decode_workspace import DecodeRows, decode_attention, new_workspace, read_cost
 
 BS, KVH, H, D, BLOCKS = 4, 2, 6, 16, 2000

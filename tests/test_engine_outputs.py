@@ -92,6 +92,7 @@ def test_penalties_match_transformers_processors(tokenizer):
     from transformers import RepetitionPenaltyLogitsProcessor
 
     from shoal.runtime.engine.request import Request
+    from shoal.runtime.engine.step_input import sampling_metadata
     from shoal.runtime.layers.sampler import apply_penalties
 
     torch.manual_seed(0)
@@ -99,7 +100,7 @@ def test_penalties_match_transformers_processors(tokenizer):
     reqs = [Request(f"r{i}", None, [5, 6, 7, 5], SamplingParams(repetition_penalty=1.3)) for i in range(2)]
     reqs[1].seqs[0].token_ids += [9, 9]
     ours = logits.clone()
-    apply_penalties(ours, [r.seqs[0] for r in reqs])
+    apply_penalties(ours, sampling_metadata([r.seqs[0] for r in reqs], [], 100))
     proc = RepetitionPenaltyLogitsProcessor(1.3)
     for row, r in enumerate(reqs):
         ref = proc(torch.tensor([r.seqs[0].token_ids]), logits[row : row + 1].clone())
@@ -108,7 +109,7 @@ def test_penalties_match_transformers_processors(tokenizer):
     r = Request("f", None, [1, 2], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
     r.seqs[0].token_ids += [3, 3, 4]
     ours = logits[:1].clone()
-    apply_penalties(ours, [r.seqs[0]])
+    apply_penalties(ours, sampling_metadata([r.seqs[0]], [], 100))
     expected = logits[0].clone()
     expected[3] -= 2 * 0.5 + 0.25
     expected[4] -= 0.5 + 0.25
@@ -119,6 +120,7 @@ def test_top_p_top_k_min_p_match_transformers_warpers():
     from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     from shoal.runtime.engine.request import Request
+    from shoal.runtime.engine.step_input import sampling_metadata
     from shoal.runtime.layers.sampler import apply_top_k_top_p_min_p
 
     torch.manual_seed(1)
@@ -129,7 +131,7 @@ def test_top_p_top_k_min_p_match_transformers_warpers():
         (SamplingParams(min_p=0.1), MinPLogitsWarper(0.1)),
     ]
     for params, warper in cases:
-        ours = apply_top_k_top_p_min_p(logits.clone(), [Request("x", None, [1], params).seqs[0]])
+        ours = apply_top_k_top_p_min_p(logits.clone(), sampling_metadata([Request("x", None, [1], params).seqs[0]], [], 200))
         ref = warper(torch.tensor([[1]]), logits.clone())
         assert torch.equal(torch.isinf(ours), torch.isinf(ref)), params
 

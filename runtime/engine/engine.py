@@ -21,8 +21,7 @@ from shoal.runtime.engine import detokenizer
 from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Status
 from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.runtime.executor.executor import make_executor
-from shoal.runtime.executor.model_runner import pad_rows
-from shoal.runtime.executor.model_runner import prepare
+from shoal.runtime.engine.step_input import pad_rows, prepare, sampling_metadata
 from shoal.runtime.layers.sampler import sample
 from shoal.runtime.models.loader import load_config, load_tokenizer, resolve_model
 from shoal.runtime.sampling_params import SamplingParams
@@ -197,7 +196,7 @@ class LLMEngine:
 
     def _collect(self, targets: list[Sequence], logits) -> list[RequestOutput]:
         """Sample a batch's logits and append the tokens to its sequences."""
-        result = sample(logits, targets, self.eos_ids)
+        result = sample(logits, sampling_metadata(targets, self.eos_ids, self.vocab_size))
         now = time.time()
         touched: dict[str, Request] = {}
         for i, seq in enumerate(targets):

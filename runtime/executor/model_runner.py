@@ -8,11 +8,9 @@ import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
-from shoal.runtime.engine.scheduler import ScheduledBatch
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
@@ -34,45 +32,6 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
-
-
-def pad_rows(rows: list[list[int]]) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-
-
-def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None) -> StepInput:
-    """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs."""
-    nd = batch.num_decodes
-    decodes = batch.seqs[:nd]
-    ids, pos, slots = [], [], []
-    for s in decodes:
-        p = s.num_computed
-        ids.append(s.token_ids[p])
-        pos.append(p)
-        slots.append(s.block_table[p // block_size] * block_size + p % block_size)
-    starts = [0]
-    for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]):
-        p = np.arange(s.num_computed, s.num_computed + n)
-        table = np.asarray(s.block_table)
-        ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
-        pos.extend(p.tolist())
-        slots.extend((table[p // block_size] * block_size + p % block_size).tolist())
-        starts.append(starts[-1] + n)
-    prefills = batch.seqs[nd:]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        num_decode_tokens=nd,
-        decode_block_tables=pad_rows([s.block_table for s in decodes]) if decodes and decode_plan is None else None,
-        decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long) if decodes else None,
-        prefill_block_tables=pad_rows([s.block_table for s in prefills]) if prefills else None,
-        prefill_query_start_loc=torch.tensor(starts, dtype=torch.long) if prefills else None,
-        prefill_context_lens=torch.tensor([s.num_computed + n for s, n in zip(prefills, batch.num_new_tokens[nd:])], dtype=torch.long)
-        if prefills
-        else None,
-        decode_plan=decode_plan,
-    )
-    return StepInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(sample_rows, dtype=torch.long))
 
 
 def _to(x, device):

@@ -1,0 +1,92 @@
+"""From a scheduled batch to what the executor and the sampler take: flat tensors.
+
+The engine owns its sequences; the executor and the sampler below it see only these
+tensors and parameters (imports run downhill: engine -> executor -> layers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shoal.runtime.engine.request import Sequence
+from shoal.runtime.engine.scheduler import ScheduledBatch
+from shoal.runtime.executor.model_runner import StepInput
+from shoal.runtime.layers.attention import AttentionMetadata
+from shoal.runtime.layers.sampler import SamplingMetadata
+
+
+def pad_rows(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None) -> StepInput:
+    """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs."""
+    nd = batch.num_decodes
+    decodes = batch.seqs[:nd]
+    ids, pos, slots = [], [], []
+    for s in decodes:
+        p = s.num_computed
+        ids.append(s.token_ids[p])
+        pos.append(p)
+        slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+    starts = [0]
+    for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]):
+        p = np.arange(s.num_computed, s.num_computed + n)
+        table = np.asarray(s.block_table)
+        ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
+        pos.extend(p.tolist())
+        slots.extend((table[p // block_size] * block_size + p % block_size).tolist())
+        starts.append(starts[-1] + n)
+    prefills = batch.seqs[nd:]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        num_decode_tokens=nd,
+        decode_block_tables=pad_rows([s.block_table for s in decodes]) if decodes and decode_plan is None else None,
+        decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long) if decodes else None,
+        prefill_block_tables=pad_rows([s.block_table for s in prefills]) if prefills else None,
+        prefill_query_start_loc=torch.tensor(starts, dtype=torch.long) if prefills else None,
+        prefill_context_lens=torch.tensor([s.num_computed + n for s, n in zip(prefills, batch.num_new_tokens[nd:])], dtype=torch.long)
+        if prefills
+        else None,
+        decode_plan=decode_plan,
+    )
+    return StepInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(sample_rows, dtype=torch.long))
+
+
+def _column(values: list, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int) -> SamplingMetadata:
+    """The sampling rows' parameters as tensors: one row per sequence that samples this step."""
+    params = [s.params for s in seqs]
+    greedy = [p.greedy for p in params]
+    m = SamplingMetadata(temperature=_column([p.temperature for p in params]),
+                         greedy=torch.tensor(greedy, dtype=torch.bool), all_greedy=all(greedy))
+    if not m.all_greedy:
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        if any(k < vocab_size for k in top_k):
+            m.top_k = _column(top_k, torch.long)
+        if any(p.top_p < 1.0 for p in params):
+            m.top_p = _column([p.top_p for p in params])
+        if any(p.min_p > 0 for p in params):
+            m.min_p = _column([p.min_p for p in params])
+        m.generators = {row: s.generator for row, s in enumerate(seqs) if s.generator is not None}
+    if any(p.repetition_penalty != 1.0 for p in params):
+        m.repetition_penalty = _column([p.repetition_penalty for p in params])
+        m.seen_ids = pad_rows([s.token_ids for s in seqs], fill=-1)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        m.presence_penalty = _column([p.presence_penalty for p in params])
+        m.frequency_penalty = _column([p.frequency_penalty for p in params])
+        m.output_ids = pad_rows([s.output_ids for s in seqs], fill=-1)
+    # min_tokens: EOS (unless ignored) and the stop ids cannot end the sequence yet
+    banned = [(row, t) for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
+              for t in ([] if s.params.ignore_eos else eos_ids) + s.params.stop_token_ids]
+    if banned:
+        m.banned_rows = _column([r for r, _ in banned], torch.long)
+        m.banned_ids = _column([t for _, t in banned], torch.long)
+    if any(p.logprobs is not None for p in params):
+        m.num_logprobs = [p.logprobs for p in params]
+    return m
