@@ -64,7 +64,7 @@ class InFlight:
 
 def batches_in_flight(config: EngineConfig, executor) -> int:
     """One batch per pipeline stage unless config.batches_in_flight says otherwise (1 = serial)."""
-    if not hasattr(executor, "execute_async"):
+    if not executor.pipelined:
         return 1
     return config.batches_in_flight or config.pipeline_parallel_size
 
@@ -97,8 +97,7 @@ class LLMEngine:
         if model_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache's %d tokens; capping it", model_len, capacity)
         self.max_model_len = min(model_len, capacity)
-        planner = getattr(self.executor, "decode_planner", None)
-        self.decode_rows = planner(num_blocks * self.executor.kv_bytes_per_block()) if planner else None
+        self.decode_rows = self.executor.decode_planner(num_blocks * self.executor.kv_bytes_per_block())
         self.load_times["kv_cache"] = time.perf_counter() - t
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                  num_blocks * self.executor.kv_bytes_per_block() / 2**30)
@@ -155,6 +154,10 @@ class LLMEngine:
                 self.scheduler.remove(seq)  # its blocks may still be written by a batch in the pipe: harmless, in order
         if not self.requests:
             self._drain()
+
+    def group_ready(self) -> bool:
+        """Every rank of the model's group joined, loaded and alive."""
+        return self.executor.group_ready()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -293,6 +296,4 @@ class LLMEngine:
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
     def shutdown(self) -> None:
-        close = getattr(self.executor, "shutdown", None)
-        if close:
-            close()
+        self.executor.shutdown()

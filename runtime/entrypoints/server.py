@@ -696,7 +696,7 @@ def serve(args) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("shoal").setLevel(level)
     config = EngineConfig.from_args(args)
-    from shoal.runtime.executor.launch import run_worker_pod_if_needed
+    from shoal.runtime.executor.worker_pod import run_worker_pod_if_needed
 
     # a pod group's worker pod runs its ranks (and tiny probes) instead of the server
     if run_worker_pod_if_needed(config, host=args.host, port=args.port):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.runtime.executor import launch, worker
+from shoal.runtime.executor.executor import Executor
 from shoal.runtime.executor.launch import option
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,9 @@ class GroupFailed(RuntimeError):
     """A rank of the group died or stopped answering."""
 
 
-class DistributedExecutor:
+class DistributedExecutor(Executor):
+    pipelined = True
+
     def __init__(self, config, hf_config, model_dir, max_model_len: int):
         from shoal.runtime.executor.model_runner import ModelRunner
 
@@ -197,7 +199,7 @@ class DistributedExecutor:
             for child in self.children:
                 if child.poll() is None:
                     child.kill()
-            launch._die(f"group {self.spec.name}: {reason}")
+            launch.die(f"group {self.spec.name}: {reason}")
         for child in self.children:  # unblock collectives waiting on them
             if child.poll() is None:
                 child.kill()

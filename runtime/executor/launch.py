@@ -9,7 +9,7 @@ pipeline_rank * tensor + tensor_rank, and global rank 0 (the leader) runs the en
 - **Pod-group launch** (the operator's `SHOAL_*` environment): every pod runs `shoal serve`.
   Pod 0 is the leader: it opens the TCPStore on `SHOAL_DIST_PORT` (all interfaces), starts
   its `tensor - 1` local ranks as children and runs the engine. A pod with
-  `SHOAL_PIPELINE_RANK` > 0 never builds an engine: `run_worker_pod_if_needed` runs its
+  `SHOAL_PIPELINE_RANK` > 0 never builds an engine: `worker_pod.run_worker_pod_if_needed` runs its
   first rank in-process and its other `tensor - 1` ranks as children, serves a minimal
   `/health` and `/ready` on the HTTP port (the operator probes every pod), and returns
   True when the leader tells the group to stop.
@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from shoal.runtime.distributed import ParallelState
@@ -254,7 +253,7 @@ class Watchdog(threading.Thread):
         super().__init__(name=f"shoal-watchdog-{rank}", daemon=True)
         self.spec, self.rank, self.leader, self.timeout = spec, rank, leader, timeout
         self.children = children if isinstance(children, list) else list(children)  # may grow later
-        self.on_failure = on_failure or (lambda reason: _die(reason))
+        self.on_failure = on_failure or (lambda reason: die(reason))
         self.parent_pid, self.step_timeout = parent_pid, step_timeout
         self.store = client_store(spec, timeout=max(5.0, timeout))
         self.stopping = threading.Event()
@@ -335,65 +334,7 @@ class Watchdog(threading.Thread):
         return None
 
 
-def _die(reason: str) -> None:
+def die(reason: str) -> None:
     log.error("shoal group failure, exiting: %s", reason)
     print(f"shoal: group failure, exiting: {reason}", file=sys.stderr, flush=True)
     os._exit(1)
-
-
-# ------------------------------------------------------------------ worker pods
-
-
-def _serve_probes(host: str, port: int, is_ready) -> object:
-    """A minimal /health (alive) and /ready (joined, model loaded) for a worker pod."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Probe(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            path = self.path.split("?")[0]
-            if path == "/health":
-                code, body = 200, {"status": "ok", "role": "worker"}
-            elif path == "/ready":
-                ok = is_ready()
-                code, body = (200 if ok else 503), {"status": "ready" if ok else "not ready", "role": "worker"}
-            else:
-                code, body = 404, {"error": {"message": "worker pod: only /health and /ready", "type": "not_found", "param": None, "code": 404}}
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer((host, port), Probe)
-    threading.Thread(target=server.serve_forever, name="shoal-worker-probes", daemon=True).start()
-    return server
-
-
-def run_worker_pod_if_needed(config, host: str = "0.0.0.0", port: int | None = None) -> bool:
-    """For `shoal serve`, first thing: in a pod group's pod with SHOAL_PIPELINE_RANK > 0, run
-    this pod's ranks until the leader stops the group, and return True (the process is
-    done: exit 0). Anywhere else return False (and, in a pod group's pod 0, take the
-    group's shape from the environment into `config`). A failure exits the process non-zero.
-    """
-    spec = group_from_env(config)
-    if spec is None or spec.pipeline_rank == 0:
-        return False
-    from shoal.runtime.executor.worker import run_rank
-
-    if port is None:
-        port = int(option(config, "port", 8000))
-    ready = threading.Event()
-    probes = _serve_probes(host, port, ready.is_set) if port else None
-    try:
-        code = run_rank(config, spec, spec.pipeline_rank * spec.tensor, local_rank=0, max_model_len=None,
-                        parent_pid=None, on_ready=ready.set)
-    finally:
-        if probes is not None:
-            probes.shutdown()
-    if code:
-        sys.exit(code)
-    return True

@@ -12,6 +12,7 @@ import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
+from shoal.runtime.executor.executor import Executor
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
@@ -38,7 +39,7 @@ def _to(x, device):
     return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
 
-class ModelRunner:
+class ModelRunner(Executor):
     def __init__(self, config, hf_config, model_dir, max_model_len: int, state: ParallelState = SINGLE, layer_split=None):
         self.config, self.hf_config, self.state = config, hf_config, state
         self.device = torch.device(config.device)

@@ -8,7 +8,7 @@ own tensor rank, runs its layers and sends them on; the last stage's tensor rank
 the sample rows' logits to the leader.
 
 Run as `python -m shoal.runtime.executor.worker ...` by launch.spawn_rank (local ranks), or
-in-process by launch.run_worker_pod_if_needed (the first rank of a worker pod).
+in-process by worker_pod.run_worker_pod_if_needed (the first rank of a worker pod).
 """
 
 from __future__ import annotations

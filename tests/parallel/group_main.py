@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 
 from parallel_helpers import mixed_prompts  # noqa: E402
 from shoal.runtime.config import EngineConfig  # noqa: E402
-from shoal.runtime.executor.launch import run_worker_pod_if_needed  # noqa: E402
+from shoal.runtime.executor.worker_pod import run_worker_pod_if_needed  # noqa: E402
 from shoal.runtime.sampling_params import SamplingParams  # noqa: E402
 
 
