@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from shoal.runtime.cache.block_pool import BlockPool
+from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine import detokenizer
 from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Status
@@ -87,9 +87,9 @@ class LLMEngine:
         num_blocks = self.executor.num_blocks_for(config.kv_cache_memory)
         self.executor.allocate_kv_cache(num_blocks)
         self.block_size = config.block_size
-        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.num_lanes = batches_in_flight(config, self.executor)
-        self.scheduler = Scheduler(self.pool, self.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.scheduling_policy, self.num_lanes)
         self._lane = 0
         self._in_flight: dict[int, InFlight] = {}  # lane -> its batch in the pipe
@@ -164,8 +164,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), self.pool.usage(), self.prompt_tokens, self.generation_tokens,
-                           s.num_preemptions, s.prefix_queries, s.prefix_hits)
+        return EngineStats(len(s.running), len(s.waiting), self.kv.usage(), self.prompt_tokens, self.generation_tokens,
+                           s.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits)
+
+    @property
+    def pool(self):
+        """The block pool, for inspection (tests, benchmarks): only the KV-cache manager changes it."""
+        return self.kv.pool
 
     # -- the step -----------------------------------------------------------------------
 
@@ -246,22 +251,13 @@ class LLMEngine:
 
     def _fork(self, child: Sequence) -> None:
         parent = child.request.seqs[0]
-        full = parent.num_prompt_tokens // self.block_size
-        partial = parent.num_prompt_tokens % self.block_size
-        if parent.finished or (partial and self.pool.num_free == 0):
+        if parent.finished or not self.kv.can_fork(parent):
             self.scheduler.add(child)  # no blocks to share: recompute the prompt later
             return
-        shared = parent.block_table[:full]
-        self.pool.share(shared)
-        child.block_table = shared + (self.pool.allocate(1) if partial else [])
-        if partial:
-            self.executor.copy_block(parent.block_table[full], child.block_table[-1])
-        child.block_hashes = parent.block_hashes[:full]
-        child.num_registered = min(parent.num_registered, full)
-        child.num_computed = parent.num_prompt_tokens
-        child.status = Status.RUNNING
-        child.lane = parent.lane
-        self.scheduler.running.append(child)
+        copy = self.kv.fork(parent, child)
+        if copy is not None:
+            self.executor.copy_block(*copy)
+        self.scheduler.add_running(child, parent.lane)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict | None, logprob: float) -> None:
         seq.token_ids.append(token)
@@ -291,9 +287,8 @@ class LLMEngine:
         self.add_request("__warmup__", list(range(1, n + 1)), params)
         while self.has_unfinished_requests():
             self.step()
-        self.pool.reset_prefix_cache()
+        self.kv.reset_prefix_cache()
         self.prompt_tokens = self.generation_tokens = 0
-        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
     def shutdown(self) -> None:
         self.executor.shutdown()

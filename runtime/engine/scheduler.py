@@ -19,7 +19,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from shoal.runtime.cache.block_pool import BlockPool, block_hashes
+from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.engine.request import Sequence, Status
 
 
@@ -42,19 +42,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
                  num_lanes: int = 1):
-        self.pool = pool
+        self.kv = kv
         self.num_lanes = num_lanes
-        self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.waiting: list[Sequence] = []  # sorted by order_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which found
 
     def order_key(self, seq: Sequence):
         # lower priority value runs first (as in vLLM); then arrival; then creation order
@@ -67,18 +64,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
-
-    def _release(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = 0
-        seq.num_registered = 0
+    def add_running(self, seq: Sequence, lane: int) -> None:
+        """A sequence that starts running with its blocks already in place (an n > 1 sibling)."""
+        seq.status = Status.RUNNING
+        seq.lane = lane
+        self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.kv.free(seq)
         self.num_preemptions += 1
         self.add(seq)
 
@@ -88,7 +82,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        self.kv.free(seq)
         seq.status = Status.FINISHED
 
     def schedule(self, lane: int = 0) -> ScheduledBatch:
@@ -102,15 +96,15 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
-            need = self._blocks_needed(seq, seq.num_computed + num_new)
-            while need > self.pool.num_free and running[-1] is not seq:
+            allocated = self.kv.allocate(seq, seq.num_computed + num_new)
+            while not allocated and running[-1] is not seq:
                 self._preempt(running.pop())
                 preempted = True
-            if need > self.pool.num_free:
-                self._preempt(running.pop())
+                allocated = self.kv.allocate(seq, seq.num_computed + num_new)
+            if not allocated:
+                self._preempt(running.pop())  # the sequence itself: nobody left to take blocks from
                 preempted = True
                 break
-            seq.block_table += self.pool.allocate(need)
             chosen.append((seq, num_new))
             budget -= num_new
             i += 1
@@ -120,13 +114,11 @@ class Scheduler:
                and len(running) < share):
             seq = self.waiting[0]
             if not seq.block_table:
-                self._reuse_prefix(seq)
+                self.kv.reuse_prefix(seq)
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
-            need = self._blocks_needed(seq, seq.num_computed + num_new)
-            if need > self.pool.num_free:
-                self._release(seq)  # give back the prefix hits; try again next step
+            if not self.kv.allocate(seq, seq.num_computed + num_new):
+                self.kv.free(seq)  # give back the prefix hits; try again next step
                 break
-            seq.block_table += self.pool.allocate(need)
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             seq.lane = lane
@@ -142,32 +134,12 @@ class Scheduler:
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
         return batch
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start a sequence on the cached blocks of its longest cached prefix."""
-        seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
-        # at least one token must be computed to have something to sample from
-        usable = seq.block_hashes[: (len(seq.token_ids) - 1) // self.block_size]
-        hits = self.pool.lookup(usable)
-        seq.block_table = hits
-        seq.num_computed = len(hits) * self.block_size
-        seq.num_registered = len(hits)
-        if self.pool.enable_prefix_caching:
-            self.prefix_queries += len(seq.token_ids)
-            self.prefix_hits += seq.num_computed
-
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance computed counts and offer newly filled blocks to the prefix cache."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed += num_new
-            full = seq.num_computed // self.block_size
-            if self.pool.enable_prefix_caching and full > seq.num_registered:
-                seq.block_hashes = block_hashes(seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes[:full])
-                for b in range(seq.num_registered, full):
-                    self.pool.register(seq.block_table[b], seq.block_hashes[b])
-                seq.num_registered = full
+            self.kv.cache_full_blocks(seq)
 
     def fragmentation(self) -> tuple[int, int]:
         """(slots allocated to running sequences, slots of them holding no token)."""
-        allocated = sum(len(s.block_table) for s in self.running) * self.block_size
-        used = sum(min(len(s.token_ids), len(s.block_table) * self.block_size) for s in self.running)
-        return allocated, allocated - used
+        return self.kv.fragmentation(self.running)
