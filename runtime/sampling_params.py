@@ -24,6 +24,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top log-probabilities per token (the chosen one always included)
     priority: int = 0
     skip_special_tokens: bool = True
+    # what each RequestOutput holds (vLLM's RequestOutputKind): "cumulative" (everything so
+    # far), "delta" (what this step added: the server), "final_only" (one output at the end)
+    output_kind: str = "cumulative"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -62,6 +65,8 @@ class SamplingParams:
             bad(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings")
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            bad(f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}")
         if not isinstance(self.priority, int):
             bad(f"priority must be an integer, got {self.priority!r}")
 

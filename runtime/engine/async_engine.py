@@ -8,10 +8,11 @@
 LLMEngine is not thread-safe, so every call to it happens on the engine thread, including its
 construction (the slow part of startup). Between steps the thread applies queued submissions
 and aborts in arrival order, so a request joins or leaves the batch at the next step. After
-each step it turns the engine's cumulative outputs into per-sequence *deltas* (new text, new
-token ids, new logprobs) — so the event loop never reads objects the engine may still mutate,
-and a slow consumer just finds several deltas queued — and hands the whole step's news to
-the event loop in one `call_soon_threadsafe`, which is one wake-up per step, not per token.
+each step it passes on the engine's per-sequence *deltas* (requests are submitted with
+output_kind "delta": new text, new token ids, new logprobs, fresh lists the engine never
+touches again) — so a slow consumer just finds several deltas queued — and hands the whole
+step's news to the event loop in one `call_soon_threadsafe`, which is one wake-up per step,
+not per token.
 
 Thread, not process (measured on the project's 2-core machine while other jobs kept its
 load at 4-10, so only large differences mean anything): 16 requests x 24 tokens, with the
@@ -38,12 +39,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
+import dataclasses
 import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
+
+from shoal.runtime.engine.request import CompletionOutput as Delta  # what one step added to one sequence
 
 logger = logging.getLogger("shoal.async_engine")
 
@@ -58,18 +62,6 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     pass
-
-
-@dataclass
-class Delta:
-    """What one step added to one sequence (index) of a request."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -110,12 +102,26 @@ class Failed:
 
 
 @dataclass
+class _Add:  # inbox: a submission
+    request_id: str
+    prompt: Any
+    params: Any
+    queue: asyncio.Queue
+    tag: Any
+    arrival: float
+
+
+@dataclass
+class _Abort:  # inbox: an abort (notify: the request's queue gets a final 'abort' output)
+    request_id: str
+    notify: bool
+
+
+@dataclass
 class _Track:  # engine-thread bookkeeping for one request
     queue: asyncio.Queue
     tag: Any
     arrival: float
-    sent_tokens: dict[int, int] = field(default_factory=dict)
-    sent_text: dict[int, int] = field(default_factory=dict)
     n: int = 1
     last_token_time: float | None = None
 
@@ -195,7 +201,8 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id}")
         self._live[request_id] = queue
         self._submitted += 1
-        self._inbox.append(("add", request_id, prompt, params, queue, tag, arrival_time or time.time()))
+        params = dataclasses.replace(params, output_kind="delta")
+        self._inbox.append(_Add(request_id, prompt, params, queue, tag, arrival_time or time.time()))
         self._wake.set()
 
     def abort(self, request_id: str, notify: bool = False) -> None:
@@ -205,7 +212,7 @@ class AsyncEngine:
             return
         if not notify:
             del self._live[request_id]
-        self._inbox.append(("abort", request_id, notify))
+        self._inbox.append(_Abort(request_id, notify))
         self._wake.set()
 
     def abort_all(self) -> None:
@@ -287,9 +294,9 @@ class AsyncEngine:
             posts = [(tr.queue, Failed(rid, tr.tag, f"the engine failed: {self.error}")) for rid, tr in self._tracks.items()]
             while self._inbox:
                 msg = self._inbox.popleft()
-                if msg[0] == "add":
+                if isinstance(msg, _Add):
                     self._applied += 1
-                    posts.append((msg[4], Failed(msg[1], msg[5], f"the engine failed: {self.error}")))
+                    posts.append((msg.queue, Failed(msg.request_id, msg.tag, f"the engine failed: {self.error}")))
             self._tracks.clear()
             if posts:
                 self._call_loop(self._dispatch, posts)
@@ -342,25 +349,27 @@ class AsyncEngine:
         added = 0
         while self._inbox:
             msg = self._inbox.popleft()
-            if msg[0] == "add":
-                _, rid, prompt, params, queue, tag, arrival = msg
+            if isinstance(msg, _Add):
+                rid = msg.request_id
                 added += 1
                 try:
-                    engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    engine.add_request(rid, msg.prompt, msg.params, arrival_time=msg.arrival)
                 except (ValueError, TypeError, OverflowError) as e:
-                    posts.append((queue, Rejected(rid, tag, str(e) or type(e).__name__)))
+                    posts.append((msg.queue, Rejected(rid, msg.tag, str(e) or type(e).__name__)))
                 else:
-                    posts.append((queue, Accepted(rid, tag)))
-                    self._tracks[rid] = _Track(queue=queue, tag=tag, arrival=arrival, n=getattr(params, "n", 1) or 1)
+                    posts.append((msg.queue, Accepted(rid, msg.tag)))
+                    self._tracks[rid] = _Track(queue=msg.queue, tag=msg.tag, arrival=msg.arrival,
+                                               n=getattr(msg.params, "n", 1) or 1)
             else:
-                _, rid, notify = msg
+                rid = msg.request_id
                 engine.abort_request(rid)
                 tr = self._tracks.pop(rid, None)
                 if tr is not None:
                     if self.metrics is not None:
                         self.metrics.request_finished("abort")
-                    if notify:
-                        deltas = [Delta(i, "", [], None, "abort") for i in range(tr.n)]
+                    if msg.notify:
+                        deltas = [Delta(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                        finish_reason="abort") for i in range(tr.n)]
                         posts.append((tr.queue, Output(rid, tr.tag, deltas, True)))
         if added:
             # Stats first, then the applied count: a reader of num_waiting may briefly count
@@ -375,25 +384,8 @@ class AsyncEngine:
             tr = self._tracks.get(out.request_id)
             if tr is None:  # aborted meanwhile
                 continue
-            deltas = []
-            new_tokens = False
-            for co in out.outputs:
-                i = co.index
-                sent = tr.sent_tokens.get(i, 0)
-                ids = co.token_ids
-                n_now = len(ids)
-                text = co.text or ""
-                tpos = tr.sent_text.get(i, 0)
-                if n_now == sent and len(text) == tpos and co.finish_reason is None:
-                    continue
-                new_ids = list(ids[sent:n_now])
-                lps = co.logprobs
-                new_lps = list(lps[sent:n_now]) if lps is not None else None
-                tr.sent_tokens[i] = n_now
-                tr.sent_text[i] = len(text)
-                if new_ids:
-                    new_tokens = True
-                deltas.append(Delta(i, text[tpos:], new_ids, new_lps, co.finish_reason, co.stop_reason))
+            deltas = out.outputs  # only the sequences this step added to
+            new_tokens = any(d.token_ids for d in deltas)
             if m is not None and new_tokens:
                 if tr.last_token_time is None:
                     m.ttft.observe(max(0.0, now - tr.arrival))

@@ -226,7 +226,8 @@ class LLMEngine:
             if request.finished:
                 m.finished_time = now
                 self.requests.pop(request.request_id, None)
-            outputs.append(request.output())
+            if (out := request.output()) is not None:
+                outputs.append(out)
         return outputs
 
     def _sample_targets(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:

@@ -72,6 +72,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         seed = request.params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
+        self.num_sent_tokens = 0  # output tokens and text already handed out (delta outputs)
+        self.num_sent_chars = 0
         # incremental detokenization state
         self.text = ""
         self.prefix_offset = self.read_offset = self.num_prompt_tokens
@@ -100,13 +102,21 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def output(self) -> CompletionOutput:
+    def output(self, delta: bool = False) -> CompletionOutput | None:
+        """Everything so far, or (delta) only what was added since the last delta: None if nothing was."""
+        first_token, first_char = (self.num_sent_tokens, self.num_sent_chars) if delta else (0, 0)
+        ids = self.token_ids[self.num_prompt_tokens + first_token :]
+        if delta:
+            if not ids and len(self.text) <= first_char and self.finish_reason is None:
+                return None
+            self.num_sent_tokens += len(ids)
+            self.num_sent_chars = max(first_char, len(self.text))  # a stop string may have cut text already sent
         return CompletionOutput(
             index=self.index,
-            text=self.text,
-            token_ids=self.output_ids,
+            text=self.text[first_char:],
+            token_ids=ids,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=self.logprobs,
+            logprobs=self.logprobs[first_token:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -137,12 +147,17 @@ class Request:
     def finished(self) -> bool:
         return self.forked and all(s.finished for s in self.seqs)
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | None:
+        """This step's output in the params' output_kind; None when that kind has nothing to say."""
+        kind = self.params.output_kind
+        if kind == "final_only" and not self.finished:
+            return None
+        outputs = [s.output(delta=kind == "delta") for s in self.seqs]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.output() for s in self.seqs],
+            outputs=[o for o in outputs if o is not None],
             finished=self.finished,
             metrics=self.metrics,
         )

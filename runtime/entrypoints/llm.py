@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
@@ -37,6 +38,9 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        # only the final output of each request is read: the engine builds no others
+        per_prompt = [dataclasses.replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p
+                      for p in per_prompt]
         ids = []
         try:
             for prompt, p in zip(prompts, per_prompt):
