@@ -1,4 +1,4 @@
-"""Maps the top-level folders onto the shoal.* namespace (see DESIGN.md, Layout).
+"""Maps the top-level folders onto the shoal.* namespace (see docs/design.md, Layout).
 
 `operator` is a standard-library module and `kernels` a Hugging Face package, so the
 folders are never importable under their own names.

@@ -79,7 +79,7 @@ def parse_memory(text: str) -> float:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The vLLM-style flags of DESIGN.md; defaults live in EngineConfig."""
+    """The vLLM-style flags of docs/design.md; defaults live in EngineConfig."""
     g = parser.add_argument_group("engine")
     g.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="HF directory, .gguf file or builtin://NAME")
     g.add_argument("--served-model-name")

@@ -1,7 +1,7 @@
 """Who this process is in its group, and the collectives the model layers call.
 
 World size = tensor x pipeline; global rank = pipeline_rank * tensor + tensor_rank
-(DESIGN.md, "Pod groups"). With one rank every collective is a no-op, so the model code
+(docs/design.md, "Pod groups"). With one rank every collective is a no-op, so the model code
 is the same on one process and across a group.
 """
 

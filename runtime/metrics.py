@@ -1,4 +1,4 @@
-"""Prometheus series of the runtime (DESIGN.md, Metrics): names mirror vLLM's, prefix `shoal_`.
+"""Prometheus series of the runtime (docs/design.md, Metrics): names mirror vLLM's, prefix `shoal_`.
 
 One `ServerMetrics` per server, on its own registry (no global state, so tests can build
 several). Every series carries `model_name`. The engine thread calls `update_from_stats`

@@ -1,4 +1,4 @@
-"""SamplingParams: the sampling fields of DESIGN.md, the same in the API and in HTTP bodies."""
+"""SamplingParams: the sampling fields of docs/design.md, the same in the API and in HTTP bodies."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ def _unshadow_checkout_root() -> None:
     """Drop the checkout root from sys.path (`python -m`/`-c` in the checkout put it there).
 
     Its top-level folder kernels/ would otherwise shadow Hugging Face's `kernels` package,
-    which transformers imports when it is installed (DESIGN.md, Layout); shoal itself is
+    which transformers imports when it is installed (docs/design.md, Layout); shoal itself is
     found through its install, never through the root.
     """
     root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))

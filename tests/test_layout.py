@@ -1,4 +1,4 @@
-"""The top-level folders are never importable under their own names (DESIGN.md, Layout).
+"""The top-level folders are never importable under their own names (docs/design.md, Layout).
 
 `python -m shoal...` in the checkout puts its root on sys.path, where kernels/ would
 shadow Hugging Face's `kernels` package that transformers imports when installed.

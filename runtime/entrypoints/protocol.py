@@ -1,4 +1,4 @@
-"""OpenAI request and response bodies (pydantic), plus the extra sampling fields of DESIGN.md.
+"""OpenAI request and response bodies (pydantic), plus the extra sampling fields of docs/design.md.
 
 Requests are validated here (types, ranges that are protocol rules); value checks that are
 sampling rules live in `SamplingParams.validate`, so the API and HTTP say the same thing.
@@ -41,7 +41,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    """Fields common to both endpoints: OpenAI's, then the extras of DESIGN.md."""
+    """Fields common to both endpoints: OpenAI's, then the extras of docs/design.md."""
 
     model_config = ConfigDict(extra="ignore")
 

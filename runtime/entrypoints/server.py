@@ -1,4 +1,4 @@
-"""`shoal serve`: the engine behind FastAPI on uvicorn, with the HTTP contract of DESIGN.md.
+"""`shoal serve`: the engine behind FastAPI on uvicorn, with the HTTP contract of docs/design.md.
 
     /v1/completions, /v1/chat/completions   OpenAI bodies; stream: true -> SSE ending in [DONE]
     /v1/models                              the served model

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.runtime.executor import launch, worker
-from shoal.runtime.executor.executor import Executor
+from shoal.runtime.executor.base import Executor
 from shoal.runtime.executor.launch import option
 
 log = logging.getLogger(__name__)

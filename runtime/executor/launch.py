@@ -1,6 +1,6 @@
 """Starting the ranks of a group, on one machine or across the pods of a pod group.
 
-A group is `tensor x pipeline` ranks (DESIGN.md, "Pod groups"); global rank =
+A group is `tensor x pipeline` ranks (docs/design.md, "Pod groups"); global rank =
 pipeline_rank * tensor + tensor_rank, and global rank 0 (the leader) runs the engine.
 
 - **Local launch** (`LLM(tensor_parallel_size=2, ...)`, `shoal serve -tp 2 -pp 2` with no

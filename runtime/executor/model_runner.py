@@ -12,7 +12,7 @@ import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
-from shoal.runtime.executor.executor import Executor
+from shoal.runtime.executor.base import Executor
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu

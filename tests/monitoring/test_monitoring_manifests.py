@@ -92,7 +92,7 @@ def test_kube_inferencedeployment_series_come_from_the_ksm_config():
 
 
 def test_ksm_config_paths_exist_in_the_crd_status_shape():
-    # spec/status fields named in DESIGN.md
+    # spec/status fields named in docs/design.md
     known = {
         ("status", "conditions"), ("spec", "replicas"), ("spec", "autoscaling", "targetQueueDepth"),
         ("status", "replicas"), ("status", "readyReplicas"), ("status", "updatedReplicas"),

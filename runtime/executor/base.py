@@ -1,0 +1,54 @@
+"""What the engine asks of whatever runs the model (one process or a group of ranks)."""
+
+from __future__ import annotations
+
+import abc
+
+
+class Finished:
+    """A step that ran to the end when it was started: .result() is its logits."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def result(self):
+        return self.logits
+
+
+class Executor(abc.ABC):
+    """The engine's contract with the device side. Subclasses implement the abstract
+    methods; the rest have the single-process answer."""
+
+    pipelined = False  # whether steps may be in flight at once (execute_async returns early)
+
+    @abc.abstractmethod
+    def kv_bytes_per_block(self) -> int: ...
+
+    @abc.abstractmethod
+    def num_blocks_for(self, kv_cache_memory: float | None) -> int:
+        """KV blocks that fit: bytes, or on a GPU a fraction of free memory (None: the default)."""
+
+    @abc.abstractmethod
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def copy_block(self, src: int, dst: int) -> None: ...
+
+    @abc.abstractmethod
+    def execute(self, step):
+        """Run one step (a StepInput); the sample rows' logits [S, V] float32."""
+
+    def execute_async(self, step):
+        """Start a step; .result() of the returned object waits for its logits."""
+        return Finished(self.execute(step))
+
+    def decode_planner(self, kv_cache_bytes: int):
+        """The CPU decode workspace's planner (layers/decode_workspace.py), or None."""
+        return None
+
+    def group_ready(self) -> bool:
+        """Every rank joined, loaded and alive (the server's /ready)."""
+        return True
+
+    def shutdown(self) -> None:
+        pass
