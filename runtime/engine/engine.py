@@ -15,6 +15,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine import detokenizer
@@ -22,7 +24,7 @@ from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Statu
 from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.runtime.executor.executor import make_executor
 from shoal.runtime.engine.step_input import pad_rows, prepare, sampling_metadata
-from shoal.runtime.layers.sampler import sample
+from shoal.runtime.layers.sampler import SampleResult
 from shoal.runtime.models.loader import load_config, load_tokenizer, resolve_model
 from shoal.runtime.sampling_params import SamplingParams
 
@@ -59,7 +61,7 @@ def eos_token_ids(model_dir, tokenizer) -> list[int]:
 @dataclass
 class InFlight:
     targets: list[Sequence]  # who samples from the batch's logits rows, in order
-    pending: object  # the executor's PendingStep: .result() waits for the logits
+    pending: object  # the executor's PendingStep: .result() waits for the sampled tokens
 
 
 def batches_in_flight(config: EngineConfig, executor) -> int:
@@ -81,6 +83,7 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.executor = make_executor(config, self.hf_config, self.model_dir, model_len)
+        self.sampling_device = torch.device(config.device).type  # the leader samples on its device
         self.load_times["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -139,7 +142,7 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids holds {bad_stop[0]}, outside the vocabulary")
-        request = Request(request_id, text, ids, params, arrival_time or time.time())
+        request = Request(request_id, text, ids, params, arrival_time or time.time(), device=self.sampling_device)
         detokenizer.start(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -182,13 +185,14 @@ class LLMEngine:
             plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
             rows, targets = self._sample_targets(batch)
             step = prepare(batch, rows, self.block_size, plan)
+            step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size) if targets else None
             if self.num_lanes > 1:
                 self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step))
                 self.scheduler.after_step(batch)
             else:
-                logits = self.executor.execute(step)
+                sampled = self.executor.execute(step)
                 self.scheduler.after_step(batch)
-                outputs = self._collect(targets, logits)
+                outputs = self._collect(targets, sampled)
         if not self.requests:
             self._drain()
         return outputs
@@ -202,9 +206,10 @@ class LLMEngine:
         flight = self._in_flight.pop(lane)
         return self._collect(flight.targets, flight.pending.result())
 
-    def _collect(self, targets: list[Sequence], logits) -> list[RequestOutput]:
-        """Sample a batch's logits and append the tokens to its sequences."""
-        result = sample(logits, sampling_metadata(targets, self.eos_ids, self.vocab_size))
+    def _collect(self, targets: list[Sequence], result: SampleResult | None) -> list[RequestOutput]:
+        """Append a batch's sampled tokens to its sequences."""
+        if not targets:
+            return []
         now = time.time()
         touched: dict[str, Request] = {}
         for i, seq in enumerate(targets):

@@ -71,7 +71,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         seed = request.params.seed
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
+        self.generator = None if seed is None else torch.Generator(request.device).manual_seed(seed + index)
         self.num_sent_tokens = 0  # output tokens and text already handed out (delta outputs)
         self.num_sent_chars = 0
         # incremental detokenization state
@@ -130,6 +130,7 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     seqs: list[Sequence] = field(default_factory=list)
+    device: str = "cpu"  # where its seeded generators draw (the device that samples)
 
     def __post_init__(self):
         self.metrics = RequestMetrics(self.arrival_time)

@@ -16,6 +16,7 @@ Options (EngineConfig.extra):
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
 import time
@@ -104,7 +105,10 @@ class DistributedExecutor(Executor):
         self._call(("copy", src, dst))
 
     def execute(self, step):
-        return self._call(("step", step), timed=True)
+        """Every rank runs the step; the leader samples the logits it gets back (the sampling
+        parameters, with their seeded generators, never travel to the other ranks)."""
+        logits = self._call(("step", dataclasses.replace(step, sampling=None)), timed=True)
+        return logits if step.sampling is None else self.runner.sample(logits, step.sampling)
 
     def execute_async(self, step) -> "PendingStep":
         """Start a step and return once stage 0 has handed it on: the caller may start the
@@ -115,9 +119,10 @@ class DistributedExecutor(Executor):
             raise GroupFailed(f"the parallel group failed: {self.failed}")
         if self.closed:
             raise RuntimeError("the executor is shut down")
+        sampling, step = step.sampling, dataclasses.replace(step, sampling=None)
         worker.broadcast(("step", step), self.m)
         logits, works = worker.start_step(self.runner, self.m, step)
-        pending = PendingStep(self, logits, works)
+        pending = PendingStep(self, logits, works, sampling)
         self._in_flight.append(pending)
         if self.watchdog.step_started is None:
             self.watchdog.step_started = time.monotonic()
@@ -220,10 +225,11 @@ class DistributedExecutor(Executor):
 
 
 class PendingStep:
-    """A step in the pipe (execute_async); .result() waits for its logits [S, V]."""
+    """A step in the pipe (execute_async); .result() waits for its logits [S, V] and
+    samples them when the step carried sampling metadata."""
 
-    def __init__(self, executor: DistributedExecutor, logits, works):
-        self.executor, self.logits, self.works = executor, logits, works
+    def __init__(self, executor: DistributedExecutor, logits, works, sampling=None):
+        self.executor, self.logits, self.works, self.sampling = executor, logits, works, sampling
         self.done = not works
 
     def result(self):
@@ -241,10 +247,10 @@ class PendingStep:
         if self in ex._in_flight:
             ex._in_flight.remove(self)
             ex.watchdog.step_started = time.monotonic() if ex._in_flight else None
+        if self.sampling is not None:
+            self.logits, self.sampling = ex.runner.sample(self.logits, self.sampling), None
         return self.logits
 
 
 def _with_device(config, device: str):
-    import dataclasses
-
     return dataclasses.replace(config, device=device)

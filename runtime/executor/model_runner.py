@@ -1,8 +1,9 @@
-"""The only code that touches the device: builds a step's input tensors, runs the model
-over the paged KV cache, and returns logits for the rows that sample."""
+"""The only code that touches the device: sends a step's inputs (one copy, staging.py),
+runs the model over the paged KV cache, and samples the rows that sample on the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -13,9 +14,11 @@ import torch
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
 from shoal.runtime.executor.base import Executor
+from shoal.runtime.executor.staging import Staging
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
+from shoal.runtime.layers.sampler import SampleResult, SamplingMetadata, sample
 from shoal.runtime.models.llama import LlamaForCausalLM
 from shoal.runtime.models.loader import iter_weights
 
@@ -33,10 +36,7 @@ class StepInput:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
-
-
-def _to(x, device):
-    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+    sampling: SamplingMetadata | None = None  # set: the step returns sampled tokens, not logits
 
 
 class ModelRunner(Executor):
@@ -66,7 +66,8 @@ class ModelRunner(Executor):
         if pack_for_cpu(self.model):
             log.info("linear weights prepacked for oneDNN")
         self.kv_caches: list[torch.Tensor] = []
-        self.workspaces: list | None = None  # the decode mirror (torch backend), per layer
+        self.workspaces: list | None = None  # the decode mirror (torch backend, CPU), per layer
+        self.staging = Staging(self.device) if self.device.type != "cpu" else None
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -107,10 +108,11 @@ class ModelRunner(Executor):
         return self.config.cpu_decode_max_seqs if self.cpu_decoder is not None else 0
 
     def decode_planner(self, kv_cache_bytes: int) -> DecodeRows | None:
-        """The workspace planner for the torch backend (CPU), at most twice the KV cache. None
+        """The workspace planner for the torch backend on CPU, at most twice the KV cache. None
         with the C decode step: it reads the paged cache in place, and the decodes of a mixed
-        step would find every row it advanced stale (a reload costs what a gather does)."""
-        if self.ops.backend != "torch" or self.cpu_decoder is not None:
+        step would find every row it advanced stale (a reload costs what a gather does). None
+        on a GPU, where the kernels read the paged cache in place."""
+        if self.ops.backend != "torch" or self.cpu_decoder is not None or self.device.type != "cpu":
             return None
         m = self.model
         per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.dtype.itemsize
@@ -125,26 +127,39 @@ class ModelRunner(Executor):
         nd = step.meta.num_decode_tokens
         return hidden is None and nd == step.input_ids.shape[0] and 0 < nd <= self.c_decode_max_seqs
 
+    def to_device(self, step: StepInput) -> StepInput:
+        """The step with every tensor on this runner's device: one copy on a GPU."""
+        if self.staging is None:
+            return step
+        step, meta, sampling = self.staging.send_fields(step, step.meta, step.sampling)
+        return dataclasses.replace(step, meta=meta, sampling=sampling)
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingMetadata) -> SampleResult:
+        """Sample on the device; the tokens (and logprobs) come back in one transfer."""
+        if self.staging is not None:
+            (sampling,) = self.staging.send_fields(sampling)
+        return sample(logits, sampling)
+
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden=None, residual=None):
-        """Run this rank's layers. Last stage: logits [S, V] float32 of the sample rows;
-        other stages: (hidden, residual) for the next stage."""
+        """Run this rank's layers. Last stage: the sample rows' tokens (a SampleResult) when
+        the step carries sampling metadata, else their logits [S, V] float32; other stages:
+        (hidden, residual) for the next stage."""
         if self._runs_in_c(step, hidden):
             m = step.meta
             logits = self.cpu_decoder.step(step.input_ids, step.positions, m.slot_mapping, m.decode_block_tables,
-                                           m.decode_context_lens)
-            return logits[step.sample_rows]
-        dev = self.device
-        meta = AttentionMetadata(**{k: _to(v, dev) for k, v in vars(step.meta).items()})
+                                           m.decode_context_lens)[step.sample_rows]
+            return logits if step.sampling is None else sample(logits, step.sampling)
+        step = self.to_device(step)
+        meta, dev = step.meta, self.device
         plan = meta.decode_plan
         if plan is not None and (plan.reset or self.workspaces is None):
             self.workspaces = None  # free the old mirror before allocating the new one
             m = self.model
             self.workspaces = [new_workspace(plan, m.num_kv_heads, m.head_dim, self.dtype, dev) for _ in m.layers]
         layer_caches = list(zip(self.kv_caches, self.workspaces or [None] * len(self.kv_caches)))
-        hidden, residual = self.model(
-            self.ops, step.input_ids.to(dev), step.positions.to(dev), layer_caches, meta, hidden, residual
-        )
+        hidden, residual = self.model(self.ops, step.input_ids, step.positions, layer_caches, meta, hidden, residual)
         if not self.state.is_last_stage:
             return hidden, residual
-        return self.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
+        logits = self.model.compute_logits(hidden[step.sample_rows]).float()
+        return logits if step.sampling is None else sample(logits, step.sampling)

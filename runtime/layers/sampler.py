@@ -36,10 +36,6 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
     num_logprobs: list[int | None] | None = None  # per row: top-k log-probabilities wanted, or None
 
-    def to(self, device) -> "SamplingMetadata":
-        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
-        return SamplingMetadata(**moved)
-
 
 @dataclass
 class SampleResult:
@@ -88,10 +84,14 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.
 
 
 def _exponentials(shape, m: SamplingMetadata, device) -> torch.Tensor:
-    """E ~ Exp(1) per entry; seeded rows draw theirs from their own generator (on the CPU)."""
+    """E ~ Exp(1) per entry; seeded rows draw theirs from their own generator (made on the
+    sampling device, so a seeded row costs one draw there and no transfer)."""
     race = torch.rand(shape, device=device)
     for row, gen in m.generators.items():
-        race[row] = torch.rand(shape[1], generator=gen).to(device, non_blocking=True)
+        if gen.device == race.device:
+            torch.rand(shape[1], generator=gen, out=race[row])
+        else:
+            race[row] = torch.rand(shape[1], generator=gen).to(device)
     return race.log_().neg_()  # U = 0 gives +inf, which never wins the race
 
 
