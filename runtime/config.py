@@ -33,6 +33,9 @@ class EngineConfig:
     # CPU, float32, one process: decode-only steps of at most this many sequences run in the
     # C decode step (runtime/models/cpu_llama.c) instead of the torch model; 0 turns it off.
     cpu_decode_max_seqs: int = 256
+    # GPU, one process: decode-only steps replay CUDA graphs captured at start-up (vLLM's
+    # default); True runs every step eagerly.
+    enforce_eager: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -98,3 +101,4 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     g.add_argument("--batches-in-flight", type=int, help="pipeline parallel: batches in the pipe at once (default: one per stage)")
     g.add_argument("--cpu-decode-max-seqs", type=int, help="CPU: decode steps of up to this many sequences run in C (0: off)")
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="GPU: no CUDA graphs; every step runs eagerly")

@@ -42,6 +42,7 @@ class StepInput:
 class ModelRunner(Executor):
     def __init__(self, config, hf_config, model_dir, max_model_len: int, state: ParallelState = SINGLE, layer_split=None):
         self.config, self.hf_config, self.state = config, hf_config, state
+        self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         self.dtype = DTYPES.get(config.dtype, torch.float32)
         from shoal.kernels import get_ops
@@ -68,6 +69,7 @@ class ModelRunner(Executor):
         self.kv_caches: list[torch.Tensor] = []
         self.workspaces: list | None = None  # the decode mirror (torch backend, CPU), per layer
         self.staging = Staging(self.device) if self.device.type != "cpu" else None
+        self.graphs = None  # CUDA graphs of decode-only steps (cuda_graphs.py), captured with the KV cache
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -101,6 +103,22 @@ class ModelRunner(Executor):
         self.kv_caches = [c.permute(0, 2, 3, 1, 4) for c in caches]
         if self.cpu_decoder is not None:
             self.cpu_decoder.attach(self.kv_caches)
+        if (self.device.type == "cuda" and self.ops.backend == "triton" and not self.config.enforce_eager
+                and self.state.tp_size * self.state.pp_size == 1):  # the torch reference reads lengths on the host
+            self._capture_graphs(num_blocks)
+
+    def _capture_graphs(self, num_blocks: int) -> None:
+        from shoal.runtime.executor.cuda_graphs import DecodeGraphs
+
+        max_blocks = min(-(-self.max_model_len // self.config.block_size), num_blocks)
+        graphs = DecodeGraphs(self, self.config.max_num_seqs, max_blocks)
+        try:
+            graphs.capture()
+        except Exception as e:  # a kernel that cannot be captured: run eagerly rather than not at all
+            log.warning("CUDA graph capture failed, decode steps run eagerly: %s", e)
+            return
+        self.graphs = graphs
+        log.info("captured CUDA graphs for decode batches of %s", graphs.sizes)
 
     @property
     def c_decode_max_seqs(self) -> int:
@@ -151,6 +169,9 @@ class ModelRunner(Executor):
                                            m.decode_context_lens)[step.sample_rows]
             return logits if step.sampling is None else sample(logits, step.sampling)
         step = self.to_device(step)
+        if self.graphs is not None and hidden is None and self.graphs.fits(step):
+            logits = self.graphs.run(step)
+            return logits if step.sampling is None else sample(logits, step.sampling)
         meta, dev = step.meta, self.device
         plan = meta.decode_plan
         if plan is not None and (plan.reset or self.workspaces is None):
