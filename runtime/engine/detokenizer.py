@@ -18,12 +18,17 @@ def start(seq: Sequence) -> None:
     seq.read_offset = seq.num_prompt_tokens
 
 
-def append_text(tokenizer, seq: Sequence) -> str:
-    """Decode what the sequence's latest token added; returns the new text (maybe '')."""
+def append_text(tokenizer, seq: Sequence, final: bool = False) -> str:
+    """Decode what the sequence's tokens since the last call added; returns the new text
+    (maybe ''). Held back while it ends in an incomplete character, unless `final`: then
+    only that incomplete tail is dropped. Offline requests without stop strings call this
+    once, at the end, for all of their tokens (the engine reads no text before that)."""
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids
     before = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
     after = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
+    if final:
+        after = after.rstrip("\ufffd")
     if len(after) <= len(before) or after.endswith("\ufffd"):
         return ""
     delta = after[len(before) :]

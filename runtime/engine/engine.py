@@ -271,7 +271,9 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprob
         params = seq.params
-        delta = detokenizer.append_text(self.tokenizer, seq)
+        # text each step only when someone reads it: stop strings, or outputs before the end
+        text_each_step = bool(params.stop) or params.output_kind != "final_only"
+        delta = detokenizer.append_text(self.tokenizer, seq) if text_each_step else ""
         may_stop = seq.num_output_tokens >= params.min_tokens
         if may_stop and not params.ignore_eos and token in self.eos_ids:
             self._finish(seq, "stop", None)
@@ -285,6 +287,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.remove(seq)
+        if not seq.params.stop and seq.params.output_kind == "final_only":
+            detokenizer.append_text(self.tokenizer, seq, final=True)  # all of its text, once
 
     def _warm_up(self) -> None:
         """One short prefill and a decode, so the first real request pays no first-call costs."""
