@@ -67,8 +67,9 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
     """Create (or reuse) a random-weight Llama-architecture HF directory; returns its path.
 
     `device="cuda"` initialises the weights on the GPU (seconds for the 1B shape, against
-    tens of seconds on a few CPU cores); the files are the same either way for a given seed
-    only up to the device's random generator, which is fine for benchmarks.
+    tens of seconds on a few CPU cores); the weights then come from the GPU's random
+    generator, so they differ from a CPU-made model of the same seed (fine for benchmarks).
+    A directory made before with the same preset, dtype, seed and overrides is reused.
     """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -91,9 +92,7 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
     if initializer_range is not None:
         fields["initializer_range"] = initializer_range
     cfg = LlamaConfig(**fields, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(seed)
-    if device != "cpu":
-        torch.cuda.manual_seed_all(seed) if torch.device(device).type == "cuda" else None
+    torch.manual_seed(seed)  # seeds the CUDA generators too
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.save_pretrained(str(path))

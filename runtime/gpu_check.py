@@ -15,8 +15,10 @@ and the next one runs):
               the device's busy share and per-step copies and synchronizations
   kernels     `shoal bench kernels` (checks and times every Triton kernel)
 
-Writes gpu_check.json (every figure), gpu_check.md (a short table), one JSON and one log
-per part, into $OUT when set, else ./out (or --out). Needs torch, triton, transformers and
+Writes gpu_check.json (every figure, and the end of each part's log), gpu_check.md (a short
+table), gpu_check.log (all the output) and step_trace.json.gz (the profiled decode steps, for
+chrome://tracing or Perfetto) into $OUT when set, else ./out (or --out): four files, since
+the device tool brings back at most eight. Needs torch, triton, transformers and
 numpy only; imports nothing of the server or the operator. With no GPU (and no --smoke)
 it says so and exits 0.
 """
@@ -27,8 +29,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -230,33 +234,35 @@ def _child_command(name: str, smoke: bool, out: Path, budget: float) -> list[str
     return cmd + (["--smoke"] if smoke else [])
 
 
-def _run_child(name: str, cmd: list[str], timeout: float, log_path: Path) -> tuple[int | None, bool, list[str]]:
-    """Run one part in its own process group, echoing its output; kill it (only it) past `timeout`."""
+def _run_child(name: str, cmd: list[str], timeout: float, log) -> tuple[int | None, bool, list[str]]:
+    """Run one part in its own process group, echoing its output (and into `log`); kill it
+    (only it) past `timeout`."""
     lines: list[str] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars: noise in a short log
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
 
-        def pump():
-            for line in proc.stdout:
-                log.write(line)
-                lines.append(line.rstrip("\n"))
-                print(f"[{name}] {line}", end="", flush=True)
+    def pump():
+        for line in proc.stdout:
+            log.write(f"[{name}] {line}")
+            log.flush()
+            lines.append(line.rstrip("\n"))
+            print(f"[{name}] {line}", end="", flush=True)
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        timed_out = False
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, 9)  # the part's own process group (its compile workers too)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        reader.join(timeout=5)
+            os.killpg(proc.pid, 9)  # the part's own process group (its compile workers too)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    reader.join(timeout=5)
     return proc.returncode, timed_out, lines
 
 
@@ -289,39 +295,57 @@ def orchestrate(smoke: bool, out: Path, parts: list[str], budget: float) -> int:
     start = time.perf_counter()
     deadline = start + budget
     out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="shoal-gpu-check-"))  # the parts' own files; $OUT gets four
+    try:
+        return _orchestrate(smoke, out, work, parts, start, deadline, budget)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _orchestrate(smoke: bool, out: Path, work: Path, parts: list[str], start: float, deadline: float,
+                 budget: float) -> int:
+    log = open(out / "gpu_check.log", "w")
     plan = [(n, s) for n, s in PARTS if n in parts]
     summary = {"mode": "smoke (CPU, tiny models)" if smoke else "gpu", "environment": environment(),
                "budget_s": budget, "parts": {}}
-    print(f"gpu-check: {summary['mode']}, parts {', '.join(n for n, _ in plan)}, budget {budget:.0f} s, out {out}",
-          flush=True)
+    def say(text: str) -> None:
+        print(text, flush=True)
+        log.write(text + "\n")
+        log.flush()
+
+    say(f"gpu-check: {summary['mode']}, parts {', '.join(n for n, _ in plan)}, budget {budget:.0f} s, out {out}")
     for i, (name, _) in enumerate(plan):
         reserved_later = sum(s for _, s in plan[i + 1:])
         timeout = deadline - time.perf_counter() - reserved_later
         if timeout < 5:
             summary["parts"][name] = {"part": name, "status": "skipped", "error": "no time left in the budget"}
-            print(f"gpu-check: {name}: skipped (no time left)", flush=True)
+            say(f"gpu-check: {name}: skipped (no time left)")
             continue
-        (out / f"{name}.json").unlink(missing_ok=True)
         t = time.perf_counter()
-        print(f"gpu-check: {name} (up to {timeout:.0f} s)", flush=True)
-        rc, timed_out, lines = _run_child(name, _child_command(name, smoke, out, timeout), timeout, out / f"{name}.log")
-        record_path = out / f"{name}.json"
+        say(f"gpu-check: {name} (up to {timeout:.0f} s)")
+        rc, timed_out, lines = _run_child(name, _child_command(name, smoke, work, timeout), timeout, log)
+        record_path = work / f"{name}.json"
         if record_path.exists():
             record = json.loads(record_path.read_text())
         else:
             record = {"part": name, "status": "timeout" if timed_out else "error",
-                      "error": f"timed out after {timeout:.0f} s" if timed_out else f"exited {rc} without a result",
-                      "log_tail": lines[-40:]}
+                      "error": f"timed out after {timeout:.0f} s" if timed_out else f"exited {rc} without a result"}
+        record["log_tail"] = [ln for ln in lines if "it/s]" not in ln][-60:]  # progress bars dropped
         record["wall_s"] = time.perf_counter() - t
         summary["parts"][name] = record
-        print(f"gpu-check: {name}: {record['status']} in {record['wall_s']:.0f} s"
-              + (f" ({record.get('error')})" if record["status"] != "ok" else ""), flush=True)
+        say(f"gpu-check: {name}: {record['status']} in {record['wall_s']:.0f} s"
+            + (f" ({record.get('error')})" if record["status"] != "ok" else ""))
+    trace = work / "step_trace.json.gz"
+    if trace.exists() and trace.stat().st_size < 15 * 2**20:  # the device tool brings back files up to 16 MiB
+        shutil.move(str(trace), out / trace.name)
     summary["seconds"] = time.perf_counter() - start
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=2, default=str))
     table = markdown(summary)
     (out / "gpu_check.md").write_text(table)
-    print(table)
-    print(f"gpu-check: {summary['seconds']:.0f} s in all; wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    say(table)
+    say(f"gpu-check: {summary['seconds']:.0f} s in all; wrote gpu_check.json, gpu_check.md, gpu_check.log"
+        + (", step_trace.json.gz" if (out / trace.name).exists() else "") + f" to {out}")
+    log.close()
     return 0
 
 
