@@ -215,7 +215,7 @@ def profile_steps(engine, device: torch.device, num_steps: int, trace_path: str 
 def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_steps: int = 3, steps: int = 20,
                    profile: int = 10, trace_path: str | None = None, seed: int = 0) -> dict:
     device = torch.device(engine.config.device)
-    max_tokens = warmup_steps + steps + profile + 64 + prompt_len  # nobody finishes while we measure
+    max_tokens = warmup_steps + 2 * steps + profile + 64 + prompt_len  # nobody finishes while we measure
     fill(engine, num_seqs, prompt_len, max_tokens, seed)
     t = time.perf_counter()
     reached, running = reach_steady_decode(engine, num_seqs, max_steps=4 * num_seqs * max(1, prompt_len) + 64)
@@ -236,6 +236,14 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
             step_ms.append(elapsed * 1e3)
             model_ms.append(inside * 1e3)
             outputs.append(len(outs))
+        # the same number of steps back to back, one sync at the end: what a step costs when the
+        # host may run ahead of the device (overlapped scheduling hides host time only here)
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+        back_to_back_ms = (time.perf_counter() - t) * 1e3 / steps
         running_after = engine.stats().num_running
     finally:
         timer.close()
@@ -252,16 +260,22 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
         "outputs_per_step": _summary(outputs),
         "decode_only": all(n == num_seqs for n in outputs),
         "step_ms": _summary(step_ms),
+        "back_to_back_ms_per_step": back_to_back_ms,
         "model_call_ms": _summary(model_ms),
         "host_ms": _summary([s - m for s, m in zip(step_ms, model_ms)]),
         "torch_threads": torch.get_num_threads(),
     }
     if profile:
-        prof = profile_steps(engine, device, profile, trace_path)
-        if device.type == "cuda" and result["step_ms"]:
-            # the kernels barely slow down under the profiler; the host does (2-3x)
-            prof["device_busy_share_vs_unprofiled_step"] = prof["device_kernel_ms_per_step"] / result["step_ms"]["median"]
-        result["profile"] = prof
+        try:
+            prof = profile_steps(engine, device, profile, trace_path)
+        except Exception as exc:  # the timings above stand without it
+            result["profile_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            if device.type == "cuda" and result["step_ms"]:
+                # the kernels barely slow down under the profiler; the host does (2-3x)
+                prof["device_busy_share_vs_unprofiled_step"] = (prof["device_kernel_ms_per_step"]
+                                                                / result["step_ms"]["median"])
+            result["profile"] = prof
     for rid in list(getattr(engine, "requests", {})):  # done: abort the rest rather than run them out
         engine.abort_request(rid)
     return result
@@ -288,7 +302,7 @@ def step(args) -> int:
         args.model = str(bench_models.make_random_model(preset, dtype=dtype, device=args.device or "cpu"))
     if args.max_num_seqs is None:
         args.max_num_seqs = max(args.num_seqs, 256)
-    max_tokens = args.warmup_steps + args.steps + args.profile_steps + 64 + args.prompt_len
+    max_tokens = args.warmup_steps + 2 * args.steps + args.profile_steps + 64 + args.prompt_len
     if args.kv_cache_memory is None and (args.device or "cpu") == "cpu":
         from shoal.runtime.models.loader import resolve_model
 
@@ -316,11 +330,14 @@ def format_result(r: dict) -> str:
     lines = [
         f"step bench: {r['num_running']} running of {r['num_seqs']} ({r['device_name']}), decode-only: {r['decode_only']}, "
         f"{r['steps']} steps",
-        f"  step        {s['median']:8.2f} ms median ({s['mean']:.2f} mean, {s['min']:.2f} min)",
+        f"  step        {s['median']:8.2f} ms median ({s['mean']:.2f} mean, {s['min']:.2f} min); "
+        f"{r['back_to_back_ms_per_step']:.2f} ms a step back to back",
         f"  model call  {m['median']:8.2f} ms median (inside the executor's execute)",
         f"  host        {h['median']:8.2f} ms median (step - model call)",
     ]
     p = r.get("profile")
+    if "profile_error" in r:
+        lines.append(f"  profile failed: {r['profile_error']}")
     if p:
         c = p["per_step"]
         lines.append(f"  profiled ({p['steps']} steps): {p['wall_ms_per_step']:.2f} ms a step wall, host busy "
