@@ -416,7 +416,7 @@ def markdown(summary: dict) -> str:
             rows.append(("per step: H2D copies (pageable) / D2H / stream syncs / kernels",
                          f"{c.get('h2d_copies', 0):.0f} ({c.get('h2d_pageable_copies', 0):.0f}) / "
                          f"{c.get('d2h_copies', 0):.0f} / {c.get('stream_syncs', 0):.0f} / {c.get('kernels', 0):.0f}",
-                         "1 / 1 / ≤1"))
+                         "1 / 1 / ≤1 / –"))
             rows.append(("per step: aten::copy_ / index_put_ / mm+addmm / item",
                          f"{c.get('aten::copy_', 0):.0f} / {c.get('aten::index_put_', 0):.0f} / "
                          f"{c.get('aten::mm', 0) + c.get('aten::addmm', 0):.0f} / {c.get('aten::item', 0):.0f}", ""))
