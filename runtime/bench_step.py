@@ -122,8 +122,11 @@ def analyze_trace(trace: dict, num_steps: int) -> dict:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
     for e in events:
         e["ts"], e["dur"] = float(e["ts"]), float(e.get("dur", 0.0))
-    windows = [e for e in events if e.get("name") == WINDOW_MARK and e.get("cat") != "gpu_user_annotation"]
-    steps = [e for e in events if e.get("name") == STEP_MARK and e.get("cat") != "gpu_user_annotation"]
+    def marks(name):  # host-side marks, each once (a mark could show under two categories)
+        found = {(e["ts"], e["dur"]): e for e in events if e.get("name") == name and e.get("cat") != "gpu_user_annotation"}
+        return sorted(found.values(), key=lambda e: e["ts"])
+
+    windows, steps = marks(WINDOW_MARK), marks(STEP_MARK)
     if not windows or not steps:
         raise ValueError("the trace holds no annotated steps")
     w0 = windows[0]["ts"]
@@ -176,6 +179,7 @@ def analyze_trace(trace: dict, num_steps: int) -> dict:
     step_ms = [u / 1e3 for u in step_us]
     return {
         "steps": num_steps,
+        "marked_steps": len(steps),
         "wall_ms_per_step": wall_us / 1e3 / num_steps,
         "step_ms": _summary(step_ms),
         "device_kernel_ms_per_step": kernel_us / 1e3 / num_steps,

@@ -128,7 +128,7 @@ def test_bench_step_tiny_reports_sane_json(tmp_path, monkeypatch):
     assert r["steps"] == 4 and r["step_ms"]["median"] > 0 and r["model_call_ms"]["median"] > 0
     assert r["host_ms"]["median"] > 0 and r["step_ms"]["median"] >= r["model_call_ms"]["median"]
     prof = r["profile"]
-    assert prof["steps"] == 2 and prof["wall_ms_per_step"] > 0 and prof["host_busy_ms_per_step"] > 0
+    assert prof["steps"] == prof["marked_steps"] == 2 and prof["wall_ms_per_step"] > 0 and prof["host_busy_ms_per_step"] > 0
     assert prof["device_kernel_ms_per_step"] == 0 and prof["per_step"]["h2d_copies"] == 0  # CPU: no device events
 
 
@@ -142,6 +142,7 @@ def test_trace_figures_from_a_gpu_shaped_trace():
     events = [
         x("user_annotation", WINDOW_MARK, 0, 100),
         x("user_annotation", STEP_MARK, 0, 40), x("user_annotation", STEP_MARK, 50, 40),
+        x("cpu_op", STEP_MARK, 50, 40),  # the same mark under another category: one step
         x("gpu_user_annotation", STEP_MARK, 0, 40),  # the device-side copy of a mark: not a step
         x("cpu_op", "aten::copy_", 1, 2), x("cpu_op", "aten::copy_", 51, 2), x("cpu_op", "aten::index_put_", 55, 2),
         x("cpu_op", "aten::copy_", 95, 1),  # between the steps' ends and the window's: not counted
@@ -152,6 +153,7 @@ def test_trace_figures_from_a_gpu_shaped_trace():
         {"ph": "s", "cat": "ac2g", "name": "flow", "ts": 5},
     ]
     r = analyze_trace({"traceEvents": events}, 2)
+    assert r["marked_steps"] == 2
     assert r["wall_ms_per_step"] == pytest.approx(0.110 / 2)  # the window runs on to the last kernel's end
     assert r["device_kernel_ms_per_step"] == pytest.approx(0.035 / 2)
     assert r["device_busy_share"] == pytest.approx(35 / 110)
