@@ -21,11 +21,11 @@ PRESETS: dict[str, dict] = {
     # PERFORMANCE.md's GPU model: Llama-3.2-1B's shape with SmolLM2's vocabulary, tied.
     "llama-1b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                     max_position_embeddings=4096, rope_theta=500000.0),
+                     max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     # SmolLM2-135M's shape (the built-in model), for parity checks.
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-                         max_position_embeddings=8192, rope_theta=100000.0),
+                         max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
     # issue 17's CPU host-work figure: a model too small to matter.
     "tiny-step": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
@@ -78,7 +78,10 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     path = Path(out) if out is not None else default_dir(preset, dtype, initializer_range)
     done = path / ".shoal-random-model.json"
-    spec = {"preset": preset, "dtype": dtype, "seed": seed, "initializer_range": initializer_range, **overrides}
+    fields = {**COMMON, **PRESETS[preset], **overrides}
+    if initializer_range is not None:
+        fields["initializer_range"] = initializer_range
+    spec = {"preset": preset, "dtype": dtype, "seed": seed, "config": fields}  # a changed preset is made anew
     if done.exists() and not overwrite:
         try:
             if json.loads(done.read_text()) == spec:
@@ -88,9 +91,6 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    fields = {**COMMON, **PRESETS[preset], **overrides}
-    if initializer_range is not None:
-        fields["initializer_range"] = initializer_range
     cfg = LlamaConfig(**fields, architectures=["LlamaForCausalLM"])
     torch.manual_seed(seed)  # seeds the CUDA generators too
     with torch.device(device):
