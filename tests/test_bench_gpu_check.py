@@ -36,6 +36,7 @@ def _blocking_site(tmp_path: Path) -> dict:
     """))
     env = dict(os.environ, PYTHONPATH=str(site), SHOAL_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
     env.pop("OUT", None)
+    env.pop("TRITON_INTERPRET", None)  # tests/kernels/conftest.py sets it for the whole session
     return env
 
 
@@ -107,6 +108,7 @@ def test_gpu_check_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatc
     for name in ("PYTHONPATH", "SHOAL_CACHE"):
         monkeypatch.setenv(name, env[name])
     monkeypatch.setenv("SHOAL_NOPIP", str(LAUNCHER))  # the children run through the launcher
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(gpu_check, "PARTS", [("nonsense", 10), ("kernels", 60)])
     assert gpu_check.orchestrate(True, out, ["nonsense", "kernels"], 120) == 0
     summary = json.loads((out / "gpu_check.json").read_text())
