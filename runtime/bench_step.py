@@ -105,13 +105,16 @@ def fill(engine, num_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0)
         engine.add_request(f"step-bench-{i}", rng.integers(low, high, prompt_len).tolist(), params)
 
 
-def reach_steady_decode(engine, num_seqs: int, max_steps: int) -> tuple[int, int]:
-    """Step until a step returns an output for every sequence with all of them running
-    (the prompts are done: a decode-only step). Returns (steps taken, sequences running)."""
+def reach_steady_decode(engine, num_seqs: int, prompt_len: int, max_steps: int) -> tuple[int, int]:
+    """Step until every sequence runs and every prompt is done (each has sampled its first
+    token), so that the next step is decode-only. Counted from the engine's public stats, not
+    from what step() returns (which depends on each request's output kind).
+    Returns (steps taken, sequences running)."""
+    base = engine.stats().prompt_tokens
     for n in range(1, max_steps + 1):
-        outs = engine.step()
+        engine.step()
         stats = engine.stats()
-        if stats.num_running >= num_seqs and stats.num_waiting == 0 and len(outs) >= num_seqs:
+        if stats.num_running >= num_seqs and stats.num_waiting == 0 and stats.prompt_tokens - base >= num_seqs * prompt_len:
             return n, stats.num_running
     return max_steps, engine.stats().num_running
 
@@ -222,24 +225,25 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
     max_tokens = warmup_steps + 2 * steps + profile + 64 + prompt_len  # nobody finishes while we measure
     fill(engine, num_seqs, prompt_len, max_tokens, seed)
     t = time.perf_counter()
-    reached, running = reach_steady_decode(engine, num_seqs, max_steps=4 * num_seqs * max(1, prompt_len) + 64)
+    reached, running = reach_steady_decode(engine, num_seqs, prompt_len, max_steps=4 * num_seqs * max(1, prompt_len) + 64)
     fill_s = time.perf_counter() - t
     for _ in range(warmup_steps):
         engine.step()
     timer = ModelCallTimer(engine.executor)
-    step_ms, model_ms, outputs = [], [], []
+    step_ms, model_ms, tokens = [], [], []
     try:
         for _ in range(steps):
             _sync(device)
             timer.take()
+            generated = engine.stats().generation_tokens
             t = time.perf_counter()
-            outs = engine.step()
+            engine.step()
             _sync(device)
             elapsed = time.perf_counter() - t
             inside, _ = timer.take()
             step_ms.append(elapsed * 1e3)
             model_ms.append(inside * 1e3)
-            outputs.append(len(outs))
+            tokens.append(engine.stats().generation_tokens - generated)
         # the same number of steps back to back, one sync at the end: what a step costs when the
         # host may run ahead of the device (overlapped scheduling hides host time only here)
         _sync(device)
@@ -261,8 +265,8 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
         "fill_steps": reached,
         "fill_s": fill_s,
         "steps": steps,
-        "outputs_per_step": _summary(outputs),
-        "decode_only": all(n == num_seqs for n in outputs),
+        "tokens_per_step": _summary(tokens),
+        "decode_only": all(n == num_seqs for n in tokens),
         "step_ms": _summary(step_ms),
         "back_to_back_ms_per_step": back_to_back_ms,
         "model_call_ms": _summary(model_ms),

@@ -126,7 +126,7 @@ def test_bench_step_tiny_reports_sane_json(tmp_path, monkeypatch):
                  "--steps", "4", "--profile-steps", "2", "--json", str(path)]) == 0
     r = json.loads(path.read_text())
     assert r["num_seqs"] == r["num_running"] == r["num_running_after"] == 24
-    assert r["decode_only"] and r["outputs_per_step"]["min"] == 24
+    assert r["decode_only"] and r["tokens_per_step"]["min"] == r["tokens_per_step"]["max"] == 24
     assert r["steps"] == 4 and r["step_ms"]["median"] > 0 and r["model_call_ms"]["median"] > 0
     assert r["host_ms"]["median"] > 0 and r["step_ms"]["median"] >= r["model_call_ms"]["median"]
     prof = r["profile"]
