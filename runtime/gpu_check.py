@@ -378,57 +378,77 @@ def markdown(summary: dict) -> str:
             return "not run"
         return "" if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"[:200]
 
-    par = _get(p, "parity", "result")
-    if par:
-        rows.append(("parity: greedy tokens vs transformers, same device",
-                     f"{par['token_exact']}/{par['prompts']} token-exact ({par['tokens']} tokens, {par['model']}, "
-                     f"{par['backend']}); first-step logprobs within {par['first_step_logprob_max_diff']:.1e}",
-                     "all exact; ≤1e-4"))
-    else:
-        rows.append(("parity", status("parity"), ""))
-    thr = _get(p, "throughput", "result")
-    if thr:
-        e, h = thr["engine"], thr.get("hf") or {}
-        rows.append(("throughput: Shoal, GPU workload", f"{e['output_tokens_per_s']:,.0f} output tok/s "
-                     f"({e['output_tokens']:,} tokens, {e['seconds']:.1f} s, {e['steps']} steps)", "≥25,000 tok/s"))
-        rows.append((f"throughput: transformers, static batches of {h.get('batch_size', '?')}",
-                     f"{_fmt(h.get('output_tokens_per_s'), ',.0f')} output tok/s ({_fmt(h.get('seconds'), '.1f')} s)", ""))
-        rows.append(("ratio", f"{_fmt(thr.get('ratio'), '.1f')}x", "≥20x"))
-    else:
-        rows.append(("throughput", status("throughput"), ""))
-    st = _get(p, "step", "result")
-    if st:
-        prof = st.get("profile") or {}
-        c = prof.get("per_step") or {}
-        rows.append((f"steady decode step, {st['num_running']} running (prompt {st['prompt_len']})",
-                     f"{st['step_ms']['median']:.2f} ms synchronized, {st['back_to_back_ms_per_step']:.2f} ms back to "
-                     f"back (model call {st['model_call_ms']['median']:.2f} ms, outside it "
-                     f"{st['host_ms']['median']:.2f} ms)", "≤4 ms"))
-        if "profile_error" in st:
-            rows.append(("profile", f"failed: {st['profile_error']}"[:200], ""))
-        if prof:
-            rows.append(("under torch.profiler: wall / host busy / device kernels a step",
-                         f"{prof['wall_ms_per_step']:.2f} / {prof['host_busy_ms_per_step']:.2f} / "
-                         f"{prof['device_kernel_ms_per_step']:.2f} ms", ""))
-            rows.append(("device busy share (kernel time / profiled wall)",
-                         f"{_fmt(prof.get('device_busy_share'), '.1%')} (vs an unprofiled step: "
-                         f"{_fmt(prof.get('device_busy_share_vs_unprofiled_step'), '.1%')})", "≥80%"))
-            rows.append(("per step: H2D copies (pageable) / D2H / stream syncs / kernels",
-                         f"{c.get('h2d_copies', 0):.0f} ({c.get('h2d_pageable_copies', 0):.0f}) / "
-                         f"{c.get('d2h_copies', 0):.0f} / {c.get('stream_syncs', 0):.0f} / {c.get('kernels', 0):.0f}",
-                         "1 / 1 / ≤1 / –"))
-            rows.append(("per step: aten::copy_ / index_put_ / mm+addmm / item",
-                         f"{c.get('aten::copy_', 0):.0f} / {c.get('aten::index_put_', 0):.0f} / "
-                         f"{c.get('aten::mm', 0) + c.get('aten::addmm', 0):.0f} / {c.get('aten::item', 0):.0f}", ""))
-    else:
-        rows.append(("decode step profile", status("step"), ""))
+    def section_parity():
+        par = _get(p, "parity", "result")
+        if par:
+            rows.append(("parity: greedy tokens vs transformers, same device",
+                         f"{par['token_exact']}/{par['prompts']} token-exact ({par['tokens']} tokens, {par['model']}, "
+                         f"{par['backend']}); first-step logprobs within {par['first_step_logprob_max_diff']:.1e}",
+                         "all exact; ≤1e-4"))
+        else:
+            rows.append(("parity", status("parity"), ""))
+    def section_throughput():
+        thr = _get(p, "throughput", "result")
+        if thr:
+            e, h = thr["engine"], thr.get("hf") or {}
+            rows.append(("throughput: Shoal, GPU workload", f"{e['output_tokens_per_s']:,.0f} output tok/s "
+                         f"({e['output_tokens']:,} tokens, {e['seconds']:.1f} s, {e['steps']} steps)", "≥25,000 tok/s"))
+            rows.append((f"throughput: transformers, static batches of {h.get('batch_size', '?')}",
+                         f"{_fmt(h.get('output_tokens_per_s'), ',.0f')} output tok/s ({_fmt(h.get('seconds'), '.1f')} s)", ""))
+            rows.append(("ratio", f"{_fmt(thr.get('ratio'), '.1f')}x", "≥20x"))
+        else:
+            rows.append(("throughput", status("throughput"), ""))
+    def section_step():
+        st = _get(p, "step", "result")
+        if st:
+            prof = st.get("profile") or {}
+            c = prof.get("per_step") or {}
+            rows.append((f"steady decode step, {st['num_running']} running (prompt {st['prompt_len']})",
+                         f"{st['step_ms']['median']:.2f} ms synchronized, {st['back_to_back_ms_per_step']:.2f} ms back to "
+                         f"back (model call {st['model_call_ms']['median']:.2f} ms, outside it "
+                         f"{st['host_ms']['median']:.2f} ms)", "≤4 ms"))
+            if "profile_error" in st:
+                rows.append(("profile", f"failed: {st['profile_error']}"[:200], ""))
+            if prof:
+                rows.append(("under torch.profiler: wall / host busy / device kernels a step",
+                             f"{prof['wall_ms_per_step']:.2f} / {prof['host_busy_ms_per_step']:.2f} / "
+                             f"{prof['device_kernel_ms_per_step']:.2f} ms", ""))
+                rows.append(("device busy share (kernel time / profiled wall)",
+                             f"{_fmt(prof.get('device_busy_share'), '.1%')} (vs an unprofiled step: "
+                             f"{_fmt(prof.get('device_busy_share_vs_unprofiled_step'), '.1%')})", "≥80%"))
+                rows.append(("per step: H2D copies (pageable) / D2H / stream syncs / kernels",
+                             f"{c.get('h2d_copies', 0):.0f} ({c.get('h2d_pageable_copies', 0):.0f}) / "
+                             f"{c.get('d2h_copies', 0):.0f} / {c.get('stream_syncs', 0):.0f} / {c.get('kernels', 0):.0f}",
+                             "1 / 1 / ≤1 / –"))
+                rows.append(("per step: aten::copy_ / index_put_ / mm+addmm / item",
+                             f"{c.get('aten::copy_', 0):.0f} / {c.get('aten::index_put_', 0):.0f} / "
+                             f"{c.get('aten::mm', 0) + c.get('aten::addmm', 0):.0f} / {c.get('aten::item', 0):.0f}", ""))
+        else:
+            rows.append(("decode step profile", status("step"), ""))
+    def section_kernels():
+        k = _get(p, "kernels", "result")
+        if k:
+            checks = [r.get("check") for r in k["rows"]]
+            rows.append(("kernels (`shoal bench kernels`)", f"{checks.count('ok')} ok, {checks.count('FAIL')} failed of "
+                         f"{len(checks)} rows; exit {k['rc']}", "all ok"))
+            decode = [f"{r.get('% peak BW', '?')} ({r.get('shape', '?')})" for r in k["rows"]
+                      if r.get("kernel") == "paged_attention_decode"]
+            prefill = [f"{r.get('TFLOP/s', '?')} ({r.get('shape', '?')})" for r in k["rows"]
+                       if r.get("kernel") == "paged_attention_prefill"]
+            if decode:
+                rows.append(("decode attention, % of peak bandwidth", "; ".join(decode), "≥70%"))
+            if prefill:
+                rows.append(("prefill attention, TFLOP/s", "; ".join(prefill), "≥400"))
+        else:
+            rows.append(("kernels", status("kernels"), ""))
+
     k = _get(p, "kernels", "result")
-    if k:
-        checks = [r.get("check") for r in k["rows"]]
-        rows.append(("kernels (`shoal bench kernels`)", f"{checks.count('ok')} ok, {checks.count('FAIL')} failed of "
-                     f"{len(checks)} rows; exit {k['rc']}", "all ok"))
-    else:
-        rows.append(("kernels", status("kernels"), ""))
+    for name, section in (("parity", section_parity), ("throughput", section_throughput), ("step", section_step),
+                          ("kernels", section_kernels)):
+        try:
+            section()
+        except Exception as exc:  # a figure missing from a part's result costs its rows, not the table
+            rows.append((name, f"could not format: {type(exc).__name__}: {exc}"[:200], ""))
     head = (f"gpu-check ({summary['mode']}): {env.get('gpu', 'no GPU')}, torch {env.get('torch')}, "
             f"triton {env.get('triton')}, transformers {env.get('transformers')}, commit {env.get('commit')}, "
             f"{summary.get('seconds', 0):.0f} s\n\n")
