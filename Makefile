@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-fast bench e2e system-deps
+.PHONY: install serve test test-fast bench e2e system-deps gpu-check
 
 $(STAMP): pyproject.toml setup.py
 	python3 -m venv $(VENV)
@@ -31,3 +31,11 @@ test: $(STAMP) system-deps
 
 e2e: $(STAMP)
 	$(VENV)/bin/pytest -q e2e
+
+# Issue 17's GPU figures in one command (under 8 minutes on one H200; docs/gpu.md): parity,
+# throughput against transformers, the decode step's profile, the kernel bench. Needs only
+# torch, triton, transformers and numpy, and no install (tools/nopip.py maps the folders onto
+# shoal.*). Writes to $OUT, else ./out. No GPU: says so and exits 0. GPU_CHECK_ARGS=--smoke: CPU.
+GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_CHECK_PY) tools/nopip.py -m shoal.runtime.gpu_check $(GPU_CHECK_ARGS)

@@ -18,6 +18,11 @@ from shoal.runtime.sampling_params import SamplingParams
 def _engine(args):
     from shoal.runtime.entrypoints.llm import LLM
 
+    if getattr(args, "random_model", None):  # a random-weight HF directory, made once and reused
+        from shoal.runtime.bench_models import make_random_model
+
+        dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
+        args.model = str(make_random_model(args.random_model, dtype=dtype, device=args.device or "cpu"))
     cfg = EngineConfig.from_args(args)
     return LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
 
@@ -25,6 +30,7 @@ def _engine(args):
 def run_engine(llm, items) -> dict:
     """Submit every item at once and step until all finish; returns figures."""
     engine = llm.engine
+    _sync(torch.device(engine.config.device))
     start = time.perf_counter()
     for i, item in enumerate(items):
         params = SamplingParams(max_tokens=item.output_len, min_tokens=item.output_len, ignore_eos=True, temperature=0.0)
@@ -40,6 +46,7 @@ def run_engine(llm, items) -> dict:
         a, w = engine.scheduler.fragmentation()
         allocated += a
         wasted += w
+    _sync(torch.device(engine.config.device))
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     return {
@@ -55,25 +62,54 @@ def run_engine(llm, items) -> dict:
     }
 
 
-def run_hf(model_dir, items, batch_size: int) -> dict:
+def hf_dtype(dtype: str | None):
+    """The engine's --dtype for transformers ("auto": the checkpoint's own)."""
+    return "auto" if dtype == "auto" else getattr(torch, dtype or "float32")
+
+
+def run_hf(model_dir, items, batch_size: int, device: str = "cpu", dtype: str = "float32") -> dict:
     """transformers' static batching: left-padded batches in workload order, each run to its
-    longest output; only the requested tokens count as useful."""
+    longest output; only the requested tokens count as useful. On the engine's device and dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dev = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=hf_dtype(dtype)).to(dev).eval()
+    if dev.type == "cuda":  # CUDA's first calls (cuBLAS handles, kernel choice) are not the batches' cost
+        with torch.inference_mode():
+            model.generate(torch.tensor([items[0].prompt[:16]], device=dev), max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+    _sync(dev)
     start = time.perf_counter()
     useful = 0
     for b in range(0, len(items), batch_size):
         chunk = items[b : b + batch_size]
         width = max(len(i.prompt) for i in chunk)
-        ids = torch.tensor([[0] * (width - len(i.prompt)) + i.prompt for i in chunk])
-        mask = torch.tensor([[0] * (width - len(i.prompt)) + [1] * len(i.prompt) for i in chunk])
+        ids = torch.tensor([[0] * (width - len(i.prompt)) + i.prompt for i in chunk], device=dev)
+        mask = torch.tensor([[0] * (width - len(i.prompt)) + [1] * len(i.prompt) for i in chunk], device=dev)
         longest = max(i.output_len for i in chunk)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0)
         useful += sum(i.output_len for i in chunk)
+    _sync(dev)
     elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed}
+    del model
+    _release(dev)
+    return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed,
+            "batch_size": batch_size, "device": str(dev), "dtype": str(dtype)}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _release(dev: torch.device) -> None:
+    """Give the device's cached memory back (the engine's KV cache, before transformers runs)."""
+    if dev.type == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def throughput(args) -> int:
@@ -87,8 +123,14 @@ def throughput(args) -> int:
           f"{e['seconds']:.1f} s, {e['steps']} steps, {e['num_preemptions']} preemptions)")
     print(f"KV cache:     peak use {e['kv_cache_peak_usage']:.1%} of {llm.engine.pool.num_blocks} blocks; "
           f"lost to fragmentation {e['kv_fragmentation']:.2%} of allocated; prefix hit rate {e['prefix_cache_hit_rate']:.1%}")
+    result["engine"].update(device=llm.engine.config.device, dtype=llm.engine.config.dtype)
     if args.compare_hf:
-        hf = run_hf(llm.engine.model_dir, items, args.hf_batch_size)
+        model_dir, device, dtype = llm.engine.model_dir, llm.engine.config.device, llm.engine.config.dtype
+        if torch.device(device).type == "cuda":  # the engine's KV cache holds most of the GPU: free it first
+            llm.engine.shutdown()
+            llm = None
+            _release(torch.device(device))
+        hf = run_hf(model_dir, items, args.hf_batch_size, device, dtype)
         result["hf"] = hf
         result["ratio"] = e["output_tokens_per_s"] / hf["output_tokens_per_s"]
         print(f"transformers: {hf['output_tokens_per_s']:7.1f} output tok/s  (static batches of {args.hf_batch_size}, {hf['seconds']:.1f} s)")
@@ -96,7 +138,8 @@ def throughput(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    llm.engine.shutdown()
+    if llm is not None:
+        llm.engine.shutdown()
     return 0
 
 

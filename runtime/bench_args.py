@@ -1,4 +1,4 @@
-"""`shoal bench throughput | latency | serve | kernels`: flags only (cheap to import)."""
+"""`shoal bench throughput | latency | step | make-model | serve | kernels`: flags only (cheap to import)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     tp = sub.add_parser("throughput", help="offline throughput on a named workload")
     add_engine_args(tp)
-    tp.add_argument("--workload", default="public", choices=["public", "sharegpt", "shared-prefix"])
+    tp.add_argument("--workload", default="public", choices=["public", "sharegpt", "shared-prefix", "gpu"],
+                    help="gpu: PERFORMANCE.md's GPU workload (256 requests; --num-prompts keeps the first N)")
     tp.add_argument("--num-prompts", type=int)
+    _random_model_arg(tp)
     tp.add_argument("--workload-seed", type=int, default=0)
     tp.add_argument("--compare-hf", action="store_true", help="also run transformers' static batching in this run")
-    tp.add_argument("--hf-batch-size", type=int, default=8)
+    tp.add_argument("--hf-batch-size", type=int, default=8, help="transformers' static batch (64 on a GPU, as PERFORMANCE.md)")
     tp.add_argument("--json", help="write the results as JSON to this file")
     tp.set_defaults(func=_run("throughput"))
 
@@ -29,6 +31,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--compare-hf", action="store_true")
     lat.add_argument("--json")
     lat.set_defaults(func=_run("latency"))
+
+    st = sub.add_parser("step", help="host and device cost of one steady decode step (torch.profiler)")
+    add_engine_args(st)
+    _random_model_arg(st)
+    st.add_argument("--tiny", action="store_true",
+                    help="the random tiny-step model (2 layers, hidden 256, vocab 512): issue 17's CPU host-work figure")
+    st.add_argument("--num-seqs", type=int, default=256, help="sequences running (decoding) at once")
+    st.add_argument("--prompt-len", type=int, default=32)
+    st.add_argument("--warmup-steps", type=int, default=3, help="decode steps run before timing")
+    st.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    st.add_argument("--profile-steps", type=int, default=10, help="decode steps under torch.profiler (0: none)")
+    st.add_argument("--trace", help="keep the profiler's chrome trace here (.json or .json.gz)")
+    st.add_argument("--json", help="write the results as JSON to this file")
+    st.set_defaults(func=_run_step)
+
+    mm = sub.add_parser("make-model", help="write a random-weight HF model directory (prints its path)")
+    from shoal.runtime import bench_models
+
+    bench_models.add_arguments(mm)
 
     serve = sub.add_parser("serve", help="load test a running server (Poisson arrivals)")
     from shoal.runtime import bench_serve
@@ -47,3 +68,17 @@ def _run(name):
         return getattr(bench, name)(args)
 
     return run
+
+
+def _run_step(args):
+    from shoal.runtime import bench_step
+
+    return bench_step.step(args)
+
+
+def _random_model_arg(p: argparse.ArgumentParser) -> None:
+    from shoal.runtime.bench_models import PRESETS
+
+    p.add_argument("--random-model", choices=sorted(PRESETS),
+                   help="instead of MODEL: a random-weight model of this shape in --dtype (made once, in the cache); "
+                        "llama-1b is PERFORMANCE.md's GPU model")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NAMES = ("public", "sharegpt", "shared-prefix")
+NAMES = ("public", "sharegpt", "shared-prefix", "gpu")
 
 
 @dataclass
@@ -22,6 +22,17 @@ def public() -> list[Item]:
     prompt_lens = rng.integers(16, 512, 32, endpoint=True)
     output_lens = rng.integers(16, 256, 32, endpoint=True)
     return [Item(rng.integers(1000, 40000, n).tolist(), int(m)) for n, m in zip(prompt_lens, output_lens)]
+
+
+def gpu(num_prompts: int | None = None) -> list[Item]:
+    """PERFORMANCE.md's GPU workload, drawn like the public one: 256 requests, prompts
+    U[32, 512], outputs U[32, 256], ids U[100, 40000), one PCG64(0) generator drawn in that
+    order (72,245 prompt / 38,043 output tokens). `num_prompts` keeps the first N (a smoke run)."""
+    rng = np.random.Generator(np.random.PCG64(0))
+    prompt_lens = rng.integers(32, 512, 256, endpoint=True)
+    output_lens = rng.integers(32, 256, 256, endpoint=True)
+    items = [Item(rng.integers(100, 40000, n).tolist(), int(m)) for n, m in zip(prompt_lens, output_lens)]
+    return items[:num_prompts] if num_prompts else items
 
 
 def _log_uniform(rng, low: int, high: int, n: int) -> np.ndarray:
@@ -60,6 +71,8 @@ def load(name: str, num_prompts: int | None = None, seed: int = 0, tokenizer=Non
         return sharegpt(num_prompts or 64, seed, tokenizer)
     if name == "shared-prefix":
         return shared_prefix(num_prompts or 64, seed)
+    if name == "gpu":
+        return gpu(num_prompts)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(NAMES)}")
 
 

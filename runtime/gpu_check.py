@@ -1,0 +1,497 @@
+"""`make gpu-check`: everything issue 17 measures on a GPU, in one command of under 8 minutes.
+
+    python3 tools/nopip.py -m shoal.runtime.gpu_check            # a GPU machine, no pip install
+    python3 tools/nopip.py -m shoal.runtime.gpu_check --smoke    # the same parts on CPU, tiny models
+
+Parts, each in its own process, time-boxed (a part that fails or overruns is recorded
+and the next one runs):
+
+  models      the random-weight models, made once in the cache (1B-shaped bf16, SmolLM2-shaped fp32)
+  parity      greedy parity against transformers on the same GPU: SmolLM2-shaped fp32 model,
+              16 prompts x 24 tokens, Triton backend; token-exact count, first-step logprob diff
+  throughput  PERFORMANCE.md's GPU workload (256 requests) on the 1B-shaped bf16 model, and
+              transformers' static batches of 64 on the same GPU in the same run
+  step        a steady decode step at 256 running: ms a step, host ms, and under torch.profiler
+              the device's busy share and per-step copies and synchronizations
+  kernels     `shoal bench kernels` (checks and times every Triton kernel)
+
+Writes gpu_check.json (every figure, and the end of each part's log), gpu_check.md (a short
+table), gpu_check.log (all the output) and step_trace.json.gz (the profiled decode steps, for
+chrome://tracing or Perfetto) into $OUT when set, else ./out (or --out): four files, since
+the device tool brings back at most eight. Needs torch, triton, transformers and
+numpy only; imports nothing of the server or the operator. With no GPU (and no --smoke)
+it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+BUDGET_S = 465.0  # the whole run; the issue allows 8 minutes
+
+# (part, seconds reserved for it): a part may use what earlier parts left, never what later ones reserve
+PARTS = [("models", 60), ("parity", 70), ("throughput", 180), ("step", 60), ("kernels", 95)]
+
+GPU = dict(
+    parity=dict(preset="smollm2-135m", dtype="float32", backend="triton", prompts=16, tokens=24, device="cuda"),
+    # half the free memory for KV (the workload needs ~26 GB): transformers fits beside it even if
+    # something kept the engine's cache alive after its shutdown
+    throughput=dict(preset="llama-1b", dtype="bfloat16", device="cuda", num_prompts=None, hf_batch_size=64,
+                    kv_cache_memory=0.5),
+    step=dict(preset="llama-1b", dtype="bfloat16", device="cuda", num_seqs=256, prompt_len=256, warmup=5, steps=30,
+              profile=10),
+    kernels=["--iters", "50", "--warmup", "5"],
+)
+SMOKE = dict(
+    parity=dict(preset="tiny", dtype="float32", backend="torch", prompts=4, tokens=8, device="cpu"),
+    throughput=dict(preset="tiny", dtype="float32", device="cpu", num_prompts=2, hf_batch_size=2,
+                    kv_cache_memory=float(2**27)),
+    step=dict(preset="tiny-step", dtype="float32", device="cpu", num_seqs=16, prompt_len=8, warmup=1, steps=3,
+              profile=2),
+    kernels=["--cpu", "--small", "--iters", "1", "--warmup", "0"],
+)
+
+
+# -- the parts (each runs in its own process) ------------------------------------------------
+
+
+def _model(preset: str, dtype: str, device: str) -> str:
+    from shoal.runtime.bench_models import make_random_model
+
+    return str(make_random_model(preset, dtype=dtype, device=device))
+
+
+def part_models(cfg: dict) -> dict:
+    made = {}
+    for key in ("parity", "throughput", "step"):
+        c = cfg[key]
+        t = time.perf_counter()
+        path = _model(c["preset"], c["dtype"], c["device"])
+        made[f"{c['preset']}-{c['dtype']}"] = {"path": path, "seconds": time.perf_counter() - t}
+    return made
+
+
+def part_parity(cfg: dict) -> dict:
+    """Greedy tokens and first-step logprobs of Shoal against transformers, same device."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shoal.runtime.entrypoints.llm import LLM
+    from shoal.runtime.sampling_params import SamplingParams
+
+    c = cfg["parity"]
+    path = _model(c["preset"], c["dtype"], c["device"])
+    rng = np.random.default_rng(7)
+    lens = rng.integers(4, 96, c["prompts"])
+    prompts = [rng.integers(100, 40000, n).tolist() for n in lens]
+    n = c["tokens"]
+    llm = LLM(model=path, device=c["device"], dtype=c["dtype"], attention_backend=c["backend"],
+              kv_cache_memory=float(2**30), max_num_seqs=64)
+    params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, logprobs=5)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    shoal_tokens = [list(o.outputs[0].token_ids) for o in outs]
+    shoal_first = [o.outputs[0].logprobs[0] for o in outs]
+    llm.engine.shutdown()
+    del llm
+    if c["device"] == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    dev = torch.device(c["device"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, c["dtype"])).to(dev).eval()
+    exact, first_diff, mismatch_at = 0, 0.0, []
+    with torch.inference_mode():
+        for p, got, lp in zip(prompts, shoal_tokens, shoal_first):
+            ids = torch.tensor([p], device=dev)
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            exact += got == want
+            mismatch_at.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
+            ref = torch.log_softmax(hf(ids).logits[0, -1].float(), -1)
+            first_diff = max(first_diff, max(abs(v - float(ref[t])) for t, v in lp.items()))
+    return {"model": f"{c['preset']} {c['dtype']} (random weights)", "device": c["device"], "backend": c["backend"],
+            "prompts": len(prompts), "tokens": n, "token_exact": exact, "first_mismatch": mismatch_at,
+            "first_step_logprob_max_diff": first_diff}
+
+
+def part_throughput(cfg: dict, out: Path) -> dict:
+    from shoal.runtime import bench
+
+    c = cfg["throughput"]
+    args = argparse.Namespace(
+        model=_model(c["preset"], c["dtype"], c["device"]), random_model=None, device=c["device"], dtype=c["dtype"],
+        workload="gpu", num_prompts=c["num_prompts"], workload_seed=0, compare_hf=True,
+        hf_batch_size=c["hf_batch_size"], json=str(out / "throughput_raw.json"),
+        kv_cache_memory=c["kv_cache_memory"])
+    bench.throughput(args)
+    result = json.loads((out / "throughput_raw.json").read_text())
+    result["model"] = f"{c['preset']} {c['dtype']} (random weights)"
+    return result
+
+
+def part_step(cfg: dict, out: Path) -> dict:
+    from shoal.runtime import bench_step
+    from shoal.runtime.entrypoints.llm import LLM
+
+    c = cfg["step"]
+    path = _model(c["preset"], c["dtype"], c["device"])
+    options = dict(model=path, device=c["device"], dtype=c["dtype"], max_num_seqs=max(256, c["num_seqs"]))
+    if c["device"] == "cpu":
+        options["kv_cache_memory"] = float(2**26)
+    llm = LLM(**options)
+    try:
+        trace = out / "step_trace.json.gz" if c["device"] == "cuda" else None
+        result = bench_step.run_step_bench(llm.engine, c["num_seqs"], c["prompt_len"], c["warmup"], c["steps"],
+                                           c["profile"], str(trace) if trace else None)
+    finally:
+        llm.engine.shutdown()
+    print(bench_step.format_result(result))
+    result["model"] = f"{c['preset']} {c['dtype']} (random weights)"
+    return result
+
+
+def part_kernels(cfg: dict, budget: float) -> dict:
+    import contextlib
+    import io
+
+    from shoal.kernels import bench as kbench
+
+    kbench.BUDGET_S = min(kbench.BUDGET_S, max(10.0, budget - 25.0))  # leave room to print the table
+    buf = io.StringIO()
+
+    class Tee(io.TextIOBase):
+        def write(self, s):
+            sys.__stdout__.write(s)
+            return buf.write(s)
+
+    with contextlib.redirect_stdout(Tee()):
+        rc = kbench.main(cfg["kernels"])
+    text = buf.getvalue()
+    return {"rc": rc, "args": cfg["kernels"], "budget_s": kbench.BUDGET_S, "rows": _parse_table(text), "text": text}
+
+
+def _parse_table(text: str) -> list[dict]:
+    """The kernel bench's table (columns split on two or more spaces) as dicts."""
+    import re
+
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("kernel") and i + 1 < len(lines) and set(lines[i + 1]) <= {"-", " "}:
+            headers = re.split(r"\s{2,}", line.strip())
+            rows = []
+            for row in lines[i + 2:]:
+                cells = re.split(r"\s{2,}", row.strip())
+                if len(cells) != len(headers):
+                    break
+                rows.append(dict(zip(headers, cells)))
+            return rows
+    return []
+
+
+def run_part(name: str, smoke: bool, out: Path, budget: float) -> int:
+    import signal
+
+    signal.alarm(int(budget) + 15)  # outlive the orchestrator's time box by no more than this, whatever happens to it
+    cfg = SMOKE if smoke else GPU
+    t = time.perf_counter()
+    record: dict = {"part": name}
+    try:
+        if name == "models":
+            result = part_models(cfg)
+        elif name == "parity":
+            result = part_parity(cfg)
+        elif name == "throughput":
+            result = part_throughput(cfg, out)
+        elif name == "step":
+            result = part_step(cfg, out)
+        elif name == "kernels":
+            result = part_kernels(cfg, budget)
+        else:
+            raise ValueError(f"unknown part {name!r}")
+        record.update(status="ok", result=result)
+    except Exception as exc:  # recorded, so the orchestrator reports it beside the others
+        traceback.print_exc()
+        record.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    record["seconds"] = time.perf_counter() - t
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2, default=str))
+    return 0 if record["status"] == "ok" else 1
+
+
+# -- the orchestrator ---------------------------------------------------------------------
+
+
+def _child_command(name: str, smoke: bool, out: Path, budget: float) -> list[str]:
+    launcher = os.environ.get("SHOAL_NOPIP")  # tools/nopip.py set it: the children need the alias too
+    head = [sys.executable, launcher] if launcher and os.path.exists(launcher) else [sys.executable]
+    cmd = head + ["-m", "shoal.runtime.gpu_check", "--part", name, "--out", str(out), "--budget", f"{budget:.0f}"]
+    return cmd + (["--smoke"] if smoke else [])
+
+
+def _run_child(name: str, cmd: list[str], timeout: float, log) -> tuple[int | None, bool, list[str]]:
+    """Run one part in its own process group, echoing its output (and into `log`); kill it
+    (only it) past `timeout`."""
+    lines: list[str] = []
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars: noise in a short log
+    # its own process group (so that a timeout ends it and its helpers), in this session (so
+    # that whoever ends this command's session ends it too)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            process_group=0)
+
+    def pump():
+        for line in proc.stdout:
+            log.write(f"[{name}] {line}")
+            log.flush()
+            lines.append(line.rstrip("\n"))
+            print(f"[{name}] {line}", end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        try:
+            os.killpg(proc.pid, 9)  # the part's own process group (its compile workers too)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    reader.join(timeout=5)
+    return proc.returncode, timed_out, lines
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version(), "machine": platform.node()}
+    for mod in ("torch", "triton", "transformers", "numpy"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            info[mod] = f"unavailable ({type(exc).__name__})"
+    try:
+        import torch
+
+        info["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        here = Path(__file__).resolve().parents[1]
+        info["commit"] = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - no git on the machine
+        info["commit"] = None
+    return info
+
+
+def orchestrate(smoke: bool, out: Path, parts: list[str], budget: float) -> int:
+    start = time.perf_counter()
+    deadline = start + budget
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="shoal-gpu-check-"))  # the parts' own files; $OUT gets four
+    try:
+        return _orchestrate(smoke, out, work, parts, start, deadline, budget)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _orchestrate(smoke: bool, out: Path, work: Path, parts: list[str], start: float, deadline: float,
+                 budget: float) -> int:
+    log = open(out / "gpu_check.log", "w")
+    plan = [(n, s) for n, s in PARTS if n in parts]
+    summary = {"mode": "smoke (CPU, tiny models)" if smoke else "gpu", "environment": environment(),
+               "budget_s": budget, "parts": {}}
+    def say(text: str) -> None:
+        print(text, flush=True)
+        log.write(text + "\n")
+        log.flush()
+
+    say(f"gpu-check: {summary['mode']}, parts {', '.join(n for n, _ in plan)}, budget {budget:.0f} s, out {out}")
+    for i, (name, _) in enumerate(plan):
+        reserved_later = sum(s for _, s in plan[i + 1:])
+        timeout = deadline - time.perf_counter() - reserved_later
+        if timeout < 5:
+            summary["parts"][name] = {"part": name, "status": "skipped", "error": "no time left in the budget"}
+            say(f"gpu-check: {name}: skipped (no time left)")
+            continue
+        t = time.perf_counter()
+        say(f"gpu-check: {name} (up to {timeout:.0f} s)")
+        rc, timed_out, lines = _run_child(name, _child_command(name, smoke, work, timeout), timeout, log)
+        record_path = work / f"{name}.json"
+        if record_path.exists():
+            record = json.loads(record_path.read_text())
+        else:
+            record = {"part": name, "status": "timeout" if timed_out else "error",
+                      "error": f"timed out after {timeout:.0f} s" if timed_out else f"exited {rc} without a result"}
+        record["log_tail"] = [ln for ln in lines if "it/s]" not in ln][-60:]  # progress bars dropped
+        record["wall_s"] = time.perf_counter() - t
+        summary["parts"][name] = record
+        say(f"gpu-check: {name}: {record['status']} in {record['wall_s']:.0f} s"
+            + (f" ({record.get('error')})" if record["status"] != "ok" else ""))
+    trace = work / "step_trace.json.gz"
+    if trace.exists() and trace.stat().st_size < 15 * 2**20:  # the device tool brings back files up to 16 MiB
+        shutil.move(str(trace), out / trace.name)
+    summary["seconds"] = time.perf_counter() - start
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=2, default=str))
+    table = markdown(summary)
+    (out / "gpu_check.md").write_text(table)
+    say(table)
+    say(f"gpu-check: {summary['seconds']:.0f} s in all; wrote gpu_check.json, gpu_check.md, gpu_check.log"
+        + (", step_trace.json.gz" if (out / trace.name).exists() else "") + f" to {out}")
+    log.close()
+    return 0
+
+
+def _get(d, *keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(summary: dict) -> str:
+    """The short table of docs/gpu.md, filled in."""
+    p = summary["parts"]
+    env = summary["environment"]
+    rows = []
+
+    def status(name):
+        r = p.get(name)
+        if r is None:
+            return "not run"
+        return "" if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"[:200]
+
+    def section_parity():
+        par = _get(p, "parity", "result")
+        if par:
+            rows.append(("parity: greedy tokens vs transformers, same device",
+                         f"{par['token_exact']}/{par['prompts']} token-exact ({par['tokens']} tokens, {par['model']}, "
+                         f"{par['backend']}); first-step logprobs within {par['first_step_logprob_max_diff']:.1e}",
+                         "all exact; ≤1e-4"))
+        else:
+            rows.append(("parity", status("parity"), ""))
+    def section_throughput():
+        thr = _get(p, "throughput", "result")
+        if thr:
+            e, h = thr["engine"], thr.get("hf") or {}
+            rows.append(("throughput: Shoal, GPU workload", f"{e['output_tokens_per_s']:,.0f} output tok/s "
+                         f"({e['output_tokens']:,} tokens, {e['seconds']:.1f} s, {e['steps']} steps)", "≥25,000 tok/s"))
+            rows.append((f"throughput: transformers, static batches of {h.get('batch_size', '?')}",
+                         f"{_fmt(h.get('output_tokens_per_s'), ',.0f')} output tok/s ({_fmt(h.get('seconds'), '.1f')} s)", ""))
+            rows.append(("ratio", f"{_fmt(thr.get('ratio'), '.1f')}x", "≥20x"))
+        else:
+            rows.append(("throughput", status("throughput"), ""))
+    def section_step():
+        st = _get(p, "step", "result")
+        if st:
+            prof = st.get("profile") or {}
+            c = prof.get("per_step") or {}
+            rows.append((f"steady decode step, {st['num_running']} running (prompt {st['prompt_len']})",
+                         f"{st['step_ms']['median']:.2f} ms synchronized, {st['back_to_back_ms_per_step']:.2f} ms back to "
+                         f"back (model call {st['model_call_ms']['median']:.2f} ms, outside it "
+                         f"{st['host_ms']['median']:.2f} ms)", "≤4 ms"))
+            if "profile_error" in st:
+                rows.append(("profile", f"failed: {st['profile_error']}"[:200], ""))
+            if prof:
+                rows.append(("under torch.profiler: wall / host busy / device kernels a step",
+                             f"{prof['wall_ms_per_step']:.2f} / {prof['host_busy_ms_per_step']:.2f} / "
+                             f"{prof['device_kernel_ms_per_step']:.2f} ms", ""))
+                rows.append(("device busy share (kernel time / profiled wall)",
+                             f"{_fmt(prof.get('device_busy_share'), '.1%')} (vs an unprofiled step: "
+                             f"{_fmt(prof.get('device_busy_share_vs_unprofiled_step'), '.1%')})", "≥80%"))
+                rows.append(("per step: H2D copies (pageable) / D2H / stream syncs / kernels",
+                             f"{c.get('h2d_copies', 0):.0f} ({c.get('h2d_pageable_copies', 0):.0f}) / "
+                             f"{c.get('d2h_copies', 0):.0f} / {c.get('stream_syncs', 0):.0f} / {c.get('kernels', 0):.0f}",
+                             "1 / 1 / ≤1 / –"))
+                rows.append(("per step: aten::copy_ / index_put_ / mm+addmm / item",
+                             f"{c.get('aten::copy_', 0):.0f} / {c.get('aten::index_put_', 0):.0f} / "
+                             f"{c.get('aten::mm', 0) + c.get('aten::addmm', 0):.0f} / {c.get('aten::item', 0):.0f}", ""))
+        else:
+            rows.append(("decode step profile", status("step"), ""))
+    def section_kernels():
+        k = _get(p, "kernels", "result")
+        if k:
+            checks = [r.get("check") for r in k["rows"]]
+            rows.append(("kernels (`shoal bench kernels`)", f"{checks.count('ok')} ok, {checks.count('FAIL')} failed of "
+                         f"{len(checks)} rows; exit {k['rc']}", "all ok"))
+            decode = [f"{r.get('% peak BW', '?')} ({r.get('shape', '?')})" for r in k["rows"]
+                      if r.get("kernel") == "paged_attention_decode"]
+            prefill = [f"{r.get('TFLOP/s', '?')} ({r.get('shape', '?')})" for r in k["rows"]
+                       if r.get("kernel") == "paged_attention_prefill"]
+            if decode:
+                rows.append(("decode attention, % of peak bandwidth", "; ".join(decode), "≥70%"))
+            if prefill:
+                rows.append(("prefill attention, TFLOP/s", "; ".join(prefill), "≥400"))
+        else:
+            rows.append(("kernels", status("kernels"), ""))
+
+    k = _get(p, "kernels", "result")
+    for name, section in (("parity", section_parity), ("throughput", section_throughput), ("step", section_step),
+                          ("kernels", section_kernels)):
+        try:
+            section()
+        except Exception as exc:  # a figure missing from a part's result costs its rows, not the table
+            rows.append((name, f"could not format: {type(exc).__name__}: {exc}"[:200], ""))
+    head = (f"gpu-check ({summary['mode']}): {env.get('gpu', 'no GPU')}, torch {env.get('torch')}, "
+            f"triton {env.get('triton')}, transformers {env.get('transformers')}, commit {env.get('commit')}, "
+            f"{summary.get('seconds', 0):.0f} s\n\n")
+    lines = ["| figure | measured | target |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    text = head + "\n".join(lines) + "\n"
+    if k and k.get("text"):
+        text += "\n```\n" + k["text"].strip() + "\n```\n"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="no GPU needed: every part on CPU with tiny models")
+    parser.add_argument("--out", help="where to write (default: $OUT, else ./out)")
+    parser.add_argument("--parts", default=",".join(n for n, _ in PARTS), help="comma-separated subset of the parts")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run")
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
+    args = parser.parse_args(argv)
+    out = Path(args.out or os.environ.get("OUT") or "out").resolve()
+    if args.part:
+        return run_part(args.part, args.smoke, out, args.budget)
+    if not args.smoke:
+        try:
+            import torch
+        except ImportError:
+            print("gpu-check: torch is not installed here, nothing measured (a GPU machine needs torch, triton, "
+                  "transformers and numpy)")
+            return 0
+        if not torch.cuda.is_available():
+            print("gpu-check: no CUDA GPU here, nothing measured (this needs a GPU machine; "
+                  "--smoke runs the same parts on CPU with tiny models)")
+            return 0
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(parts) - {n for n, _ in PARTS}
+    if unknown:
+        parser.error(f"unknown part(s): {', '.join(sorted(unknown))}")
+    return orchestrate(args.smoke, out, parts, args.budget)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

