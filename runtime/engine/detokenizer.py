@@ -1,11 +1,19 @@
 """Incremental detokenization that never emits half a multi-byte character.
 
-Each step decodes a short window of recent tokens twice (before and after the new ones)
-and emits the difference, holding it back while it ends in U+FFFD (an incomplete UTF-8
-sequence that the next token will finish). Stop strings are matched here too.
+With a fast (Rust) tokenizer each sequence keeps a `tokenizers` DecodeStream, primed with
+the prompt's last few tokens so the tokenizer's leading-space rules apply; each new token
+costs one step in Rust (it holds back bytes until they form a character). The window
+decode it replaced (decode a short window twice, emit the difference) cost ~13 us a token
+in Python, half of a 256-sequence GPU decode step's host time. Other tokenizers keep the
+window decode, holding text back while it ends in U+FFFD. Stop strings are matched here too.
 """
 
 from __future__ import annotations
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 from shoal.runtime.engine.request import Sequence
 
@@ -16,6 +24,20 @@ CONTEXT_TOKENS = 5
 def start(seq: Sequence) -> None:
     seq.prefix_offset = max(seq.num_prompt_tokens - CONTEXT_TOKENS, 0)
     seq.read_offset = seq.num_prompt_tokens
+    seq.decode_stream = None
+
+
+def _stream(tokenizer, seq: Sequence):
+    """The sequence's DecodeStream, primed with its context; None for a slow tokenizer."""
+    if seq.decode_stream is None:
+        rust = getattr(tokenizer, "_tokenizer", None)
+        if DecodeStream is None or rust is None or not hasattr(rust, "decode"):
+            return None
+        stream = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
+        for token in seq.token_ids[seq.prefix_offset : seq.read_offset]:
+            stream.step(rust, token)  # context only: its text is the prompt's
+        seq.decode_stream = (stream, rust)
+    return seq.decode_stream
 
 
 def append_text(tokenizer, seq: Sequence, final: bool = False) -> str:
@@ -23,8 +45,15 @@ def append_text(tokenizer, seq: Sequence, final: bool = False) -> str:
     (maybe ''). Held back while it ends in an incomplete character, unless `final`: then
     only that incomplete tail is dropped. Offline requests without stop strings call this
     once, at the end, for all of their tokens (the engine reads no text before that)."""
-    skip = seq.params.skip_special_tokens
     ids = seq.token_ids
+    if (streaming := _stream(tokenizer, seq)) is not None:
+        stream, rust = streaming
+        chunks = [stream.step(rust, token) for token in ids[seq.read_offset :]]
+        seq.read_offset = len(ids)
+        delta = "".join(c for c in chunks if c is not None)
+        seq.text += delta
+        return delta
+    skip = seq.params.skip_special_tokens
     before = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
     after = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
     if final:

@@ -77,6 +77,7 @@ class Sequence:
         # incremental detokenization state
         self.text = ""
         self.prefix_offset = self.read_offset = self.num_prompt_tokens
+        self.decode_stream = None  # (tokenizers DecodeStream, its tokenizer), see detokenizer.py
 
     @property
     def params(self) -> SamplingParams:
