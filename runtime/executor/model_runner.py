@@ -13,12 +13,12 @@ import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
-from shoal.runtime.executor.base import Executor
+from shoal.runtime.executor.base import Executor, Finished
 from shoal.runtime.executor.staging import Staging
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
-from shoal.runtime.layers.sampler import SampleResult, SamplingMetadata, sample
+from shoal.runtime.layers.sampler import SampleResult, SamplingMetadata, sample, sample_on_device
 from shoal.runtime.models.llama import LlamaForCausalLM
 from shoal.runtime.models.loader import iter_weights
 
@@ -70,6 +70,12 @@ class ModelRunner(Executor):
         self.workspaces: list | None = None  # the decode mirror (torch backend, CPU), per layer
         self.staging = Staging(self.device) if self.device.type != "cpu" else None
         self.graphs = None  # CUDA graphs of decode-only steps (cuda_graphs.py), captured with the KV cache
+
+    @property
+    def pipelined(self) -> bool:
+        """A GPU runs behind the host: with --batches-in-flight 2 the engine prepares one batch
+        while the device runs the other (execute_async)."""
+        return self.device.type == "cuda"
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -158,20 +164,31 @@ class ModelRunner(Executor):
             (sampling,) = self.staging.send_fields(sampling)
         return sample(logits, sampling)
 
-    @torch.inference_mode()
     def execute(self, step: StepInput, hidden=None, residual=None):
         """Run this rank's layers. Last stage: the sample rows' tokens (a SampleResult) when
         the step carries sampling metadata, else their logits [S, V] float32; other stages:
         (hidden, residual) for the next stage."""
+        out = self._run(step, hidden, residual)
+        return out.result() if step.sampling is not None and self.state.is_last_stage else out
+
+    def execute_async(self, step: StepInput):
+        """On a GPU: launch the step and return at once; .result() reads the sampled tokens back
+        (waiting for the device), so the engine can prepare another batch meanwhile."""
+        out = self._run(step)
+        return out if step.sampling is not None else Finished(out)
+
+    @torch.inference_mode()
+    def _run(self, step: StepInput, hidden=None, residual=None):
+        """Logits, (hidden, residual) on a middle stage, or the Sampled tokens when the step samples."""
         if self._runs_in_c(step, hidden):
             m = step.meta
             logits = self.cpu_decoder.step(step.input_ids, step.positions, m.slot_mapping, m.decode_block_tables,
                                            m.decode_context_lens)[step.sample_rows]
-            return logits if step.sampling is None else sample(logits, step.sampling)
+            return logits if step.sampling is None else sample_on_device(logits, step.sampling)
         step = self.to_device(step)
         if self.graphs is not None and hidden is None and self.graphs.fits(step):
             logits = self.graphs.run(step)
-            return logits if step.sampling is None else sample(logits, step.sampling)
+            return logits if step.sampling is None else sample_on_device(logits, step.sampling)
         meta, dev = step.meta, self.device
         plan = meta.decode_plan
         if plan is not None and (plan.reset or self.workspaces is None):
@@ -183,4 +200,4 @@ class ModelRunner(Executor):
         if not self.state.is_last_stage:
             return hidden, residual
         logits = self.model.compute_logits(hidden[step.sample_rows]).float()
-        return logits if step.sampling is None else sample(logits, step.sampling)
+        return logits if step.sampling is None else sample_on_device(logits, step.sampling)

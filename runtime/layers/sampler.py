@@ -109,25 +109,45 @@ def sample_tokens(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     return torch.where(m.greedy, logits.argmax(-1), tokens)
 
 
+class Sampled:
+    """A batch's sampled tokens (and log-probabilities) still on the device: reading them
+    (result) is the step's one device-to-host transfer, which waits for the device."""
+
+    def __init__(self, tokens: torch.Tensor, want: list[int | None] | None, raw_logprobs: torch.Tensor | None):
+        self.want = want
+        if raw_logprobs is None:
+            self.packed = tokens
+            return
+        chosen = raw_logprobs.gather(1, tokens[:, None])
+        top_vals, top_ids = raw_logprobs.topk(max(1, max(k or 0 for k in want)), dim=-1)
+        # one tensor, one transfer: float64 holds token ids and float32 values exactly
+        self.packed = torch.cat((tokens[:, None].double(), chosen.double(), top_vals.double(), top_ids.double()), 1)
+
+    def result(self) -> SampleResult:
+        if self.want is None:
+            return SampleResult(self.packed.tolist(), None, None)
+        rows = self.packed.tolist()
+        k_max = (len(rows[0]) - 2) // 2 if rows else 0
+        tokens = [int(r[0]) for r in rows]
+        chosen = [r[1] for r in rows]
+        per_row = []
+        for row, k in zip(rows, self.want):
+            entry = {}
+            if k is not None:
+                entry = dict(zip((int(t) for t in row[2 + k_max : 2 + k_max + k]), row[2 : 2 + k]))
+                entry[int(row[0])] = row[1]
+            per_row.append(entry)
+        return SampleResult(tokens, per_row, chosen)
+
+
 @torch.inference_mode()
+def sample_on_device(logits: torch.Tensor, m: SamplingMetadata) -> Sampled:
+    """logits [S, V], one row per sampling sequence -> the tokens, not yet read back."""
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(-1) if m.num_logprobs is not None else None  # the model's, before penalties
+    return Sampled(sample_tokens(logits, m), m.num_logprobs, raw_logprobs)
+
+
 def sample(logits: torch.Tensor, m: SamplingMetadata) -> SampleResult:
     """logits [S, V], one row per sampling sequence -> tokens (and log-probabilities) on the host."""
-    logits = logits.float()
-    want = m.num_logprobs
-    raw_logprobs = logits.log_softmax(-1) if want is not None else None  # the model's, before penalties
-    tokens = sample_tokens(logits, m)
-    if raw_logprobs is None:
-        return SampleResult(tokens.tolist(), None, None)
-    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
-    k_max = max(k or 0 for k in want)
-    top_vals, top_ids = raw_logprobs.topk(max(1, k_max), dim=-1)
-    token_list, chosen_list = tokens.tolist(), chosen.tolist()
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    per_row = []
-    for row, k in enumerate(want):
-        entry = {}
-        if k is not None:
-            entry = dict(zip(top_ids[row][:k], top_vals[row][:k]))
-            entry[token_list[row]] = chosen_list[row]
-        per_row.append(entry)
-    return SampleResult(token_list, per_row, chosen_list)
+    return sample_on_device(logits, m).result()
