@@ -189,3 +189,23 @@ def test_missing_or_deleting_resource_is_a_no_op(world):
     body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert c.reconcile("default", "demo") is None
     assert kube.of_kind("StatefulSet") == {}
+
+
+def test_steady_autoscaling_does_not_rewrite_status_every_round(world):
+    # Issue 19, defect 6: the resourceVersion climbed every tick with autoscaling on.
+    kube, c, clock, _, depth = world
+    idf(kube, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 10})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    depth.update(running=4, waiting=0)
+    for _ in range(3):
+        clock.t += 10
+        c.trigger("default", "demo", scrape=True)
+    kube.calls.clear()
+    for _ in range(10):
+        clock.t += 10
+        c.trigger("default", "demo", scrape=True)
+    assert [x for x in kube.calls if x[0] == "patch"] == []
+    auto = status(kube)["autoscaler"]
+    assert all(isinstance(r["time"], str) and r["time"].endswith("Z") for r in auto["recommendations"])
+    assert len(auto["recommendations"]) <= 2
