@@ -40,6 +40,14 @@ RULE_NAME = {
     "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
                "(group StatefulSet names are derived from it)",
 }
+# Every child is named from it: Services need an RFC 1035 label (a letter first), and
+# StatefulSets and pod hostnames a DNS label (no dots).
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+RULE_NAME_FORMAT = {
+    "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
+    "message": "metadata.name must be a DNS label that starts with a letter (lower case letters, digits "
+               "and '-'; no dots): it names Services and StatefulSets",
+}
 RULE_MIN_MAX = {
     "rule": "self.minReplicas <= self.maxReplicas",
     "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
@@ -304,7 +312,7 @@ def crd() -> dict[str, Any]:
     root = {
         "type": "object",
         "description": "A served model: pod groups running `shoal serve`, rolled out and autoscaled.",
-        "x-kubernetes-validations": [RULE_NAME],
+        "x-kubernetes-validations": [RULE_NAME, RULE_NAME_FORMAT],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},

@@ -167,6 +167,18 @@ def test_too_long_a_name_fails():
     validate_resource(make_body(name="x" * crd.MAX_NAME_LENGTH))
 
 
+@pytest.mark.parametrize("name", ["llama.v2", "8b-llama", "Llama", "llama-", "-llama", "llama_2"])
+def test_names_that_break_children_fail(name):
+    # Issue 19, defect 3: dots break Service/StatefulSet names, a Service name starts with a letter.
+    with pytest.raises(jsonschema.ValidationError, match="DNS label"):
+        validate_resource(make_body(name=name))
+
+
+@pytest.mark.parametrize("name", ["llama-v2", "l", "llama3-8b"])
+def test_dns_label_names_pass(name):
+    validate_resource(make_body(name=name))
+
+
 @pytest.mark.parametrize("source", ["builtin://smollm2-135m-instruct", "hf://meta-llama/Llama-3.1-8B",
                                     "pvc://models", "pvc://models/llama/8b", "file:///opt/m"])
 def test_known_sources_pass(source):
