@@ -135,7 +135,8 @@ class Controller:
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], dict[str, bool]] = {}
         self.loads: dict[tuple[str, str], dict[str, float]] = {}
-        self.applied: dict[tuple[str, str, str, str], str] = {}   # (kind, ns, name, owner uid) -> spec hash
+        # (kind, ns, name, owner uid, owner name) -> spec hash
+        self.applied: dict[tuple[str, str, str, str, str], str] = {}
 
     @property
     def kube(self) -> Kube:
@@ -169,11 +170,18 @@ class Controller:
                     self._running[key] = {"again": False, "scrape": False}
         finally:
             with self._lock:
-                self._running.pop(key, None)
+                pending = self._running.pop(key, {})
+            if pending.get("forgotten"):
+                # Deleted while this round ran: it may have set the series again after forget().
+                metrics.forget(namespace, name)
 
     def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            if (namespace, name) in self._running:
+                self._running[(namespace, name)]["forgotten"] = True
         self.loads.pop((namespace, name), None)
-        self.applied = {k: v for k, v in self.applied.items() if k[1] != namespace or not k[2].startswith(name)}
+        # Its children's applied hashes, by owner name (a name prefix would also hit `NAME2`'s).
+        self.applied = {k: v for k, v in self.applied.items() if (k[1], k[4]) != (namespace, name)}
         metrics.forget(namespace, name)
 
     # -------------------------------------------------------------- one reconcile
@@ -182,6 +190,7 @@ class Controller:
         kube = self.kube
         raw = kube.get(crd.API_VERSION, crd.KIND, namespace, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
+            metrics.forget(namespace, name)  # going or gone: its series must not linger
             return None
         body = defaults.apply_defaults(raw)
         body["metadata"].setdefault("namespace", namespace)
@@ -208,7 +217,7 @@ class Controller:
                 existing = self._get_quietly(kube, api_version, kind, ns, mname)
                 if existing is not None and owned_by(existing, uid):
                     kube.delete(api_version, kind, ns, mname)
-                    self.applied.pop((kind, ns, mname, uid or ""), None)
+                    self.applied.pop((kind, ns, mname, uid or "", name), None)
 
         # 2. What the groups look like.
         obs = self._observe(kube, body)
@@ -272,8 +281,9 @@ class Controller:
     def _apply(self, kube: Kube, obj: dict[str, Any], verify: bool = True) -> None:
         meta = obj["metadata"]
         want = meta["annotations"][render.A_SPEC_HASH]
-        owner = (meta.get("ownerReferences") or [{}])[0].get("uid", "")
-        key = (obj["kind"], meta["namespace"], meta["name"], owner)
+        ref = (meta.get("ownerReferences") or [{}])[0]
+        key = (obj["kind"], meta["namespace"], meta["name"], ref.get("uid", ""),
+               meta["labels"].get(render.L_DEPLOYMENT, ""))
         if not verify and self.applied.get(key) == want:
             return
         self._apply_now(kube, obj)

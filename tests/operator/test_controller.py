@@ -209,3 +209,52 @@ def test_steady_autoscaling_does_not_rewrite_status_every_round(world):
     auto = status(kube)["autoscaler"]
     assert all(isinstance(r["time"], str) and r["time"].endswith("Z") for r in auto["recommendations"])
     assert len(auto["recommendations"]) <= 2
+
+
+def _series(name):
+    text = generate_latest(metrics.REGISTRY).decode()
+    return [line for line in text.splitlines() if f'name="{name}"' in line and not line.startswith("#")]
+
+
+def test_a_delete_during_a_reconcile_leaves_no_series(world):
+    # Issue 19, defect 7: a round that was running when the resource was deleted set the
+    # gauges again after the delete handler had removed them.
+    kube, c, clock, _, depth = world
+    idf(kube, autoscaling={"enabled": True})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    assert _series("demo")
+    real_patch = kube.merge_patch
+
+    def patch_then_delete(api_version, kind, namespace, name, patch, subresource=None):
+        out = real_patch(api_version, kind, namespace, name, patch, subresource)
+        if subresource == "status":   # the delete handler runs while this round is still going
+            c.forget(namespace, name)
+        return out
+    kube.merge_patch = patch_then_delete
+    depth.update(running=100)
+    clock.t += 10
+    c.trigger("default", "demo", scrape=True)
+    assert _series("demo") == []
+
+
+def test_a_deleting_resource_drops_its_series(world):
+    kube, c, *_ = world
+    body = idf(kube)
+    c.trigger("default", "demo")
+    assert _series("demo")
+    body["metadata"]["deletionTimestamp"] = "2026-12-04T00:00:00Z"
+    c.trigger("default", "demo")
+    assert _series("demo") == []
+
+
+def test_forget_keeps_the_applied_hashes_of_a_longer_name(world):
+    kube, c, *_ = world
+    idf(kube)
+    other = make_body(name="demo2", uid="uid-2")
+    kube.put(other)
+    c.trigger("default", "demo")
+    c.trigger("default", "demo2")
+    c.forget("default", "demo")
+    assert {k[4] for k in c.applied} == {"demo2"}
