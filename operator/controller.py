@@ -103,6 +103,16 @@ def failure_reason(pods: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def group_size(sts: dict[str, Any]) -> int:
+    """Pods a group must have: its pipeline size as rendered (SHOAL_PIPELINE_SIZE), not
+    `spec.replicas`, which anyone may have scaled (a group of 1 of 2 pods is not ready)."""
+    for c in ((sts.get("spec") or {}).get("template") or {}).get("spec", {}).get("containers") or []:
+        for e in c.get("env") or []:
+            if e.get("name") == "SHOAL_PIPELINE_SIZE" and str(e.get("value", "")).isdigit():
+                return int(e["value"])
+    return int((sts.get("spec") or {}).get("replicas") or 0)
+
+
 @dataclasses.dataclass
 class Observed:
     statefulsets: dict[str, dict[str, Any]]
@@ -221,7 +231,7 @@ class Controller:
 
         # 2. What the groups look like.
         obs = self._observe(kube, body)
-        groups, details, failing = self._groups(kube, body, obs, revision)
+        groups, details, failing = self._groups(kube, body, obs, revision, verify=scrape)
 
         # 3. Queue depth (timer rounds only) and the autoscaler.
         key = (ns, name)
@@ -293,12 +303,23 @@ class Controller:
         meta = obj["metadata"]
         existing = self._get_quietly(kube, obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if existing is not None:
-            have = ((existing.get("metadata") or {}).get("annotations") or {}).get(render.A_SPEC_HASH)
-            if have == meta["annotations"][render.A_SPEC_HASH]:
-                return  # unchanged: applying again would only churn resourceVersions
             if existing["metadata"].get("deletionTimestamp"):
                 return  # still going away; the next round recreates it
+            have = ((existing.get("metadata") or {}).get("annotations") or {}).get(render.A_SPEC_HASH)
+            if have == meta["annotations"][render.A_SPEC_HASH]:
+                # Our annotation says unchanged, but someone may have changed what we own:
+                # compare the live fields we set (applying again when nothing drifted would
+                # only churn resourceVersions).
+                paths = render.drift({k: v for k, v in obj.items() if k != "status"}, existing)
+                if not paths:
+                    return
+                self.drifted(obj, paths)
         kube.apply(obj)
+
+    def drifted(self, obj: dict[str, Any], paths: list[str]) -> None:
+        meta = obj["metadata"]
+        log.warning("%s %s/%s drifted (%s): re-applying", obj["kind"], meta["namespace"], meta["name"],
+                    ", ".join(paths[:5]))
 
     def _observe(self, kube: Kube, body: dict[str, Any]) -> Observed:
         ns, name, uid = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid")
@@ -312,7 +333,7 @@ class Controller:
                 pods[group].append(pod)
         return Observed(stss, pods)
 
-    def _groups(self, kube: Kube, body: dict[str, Any], obs: Observed, revision: str):
+    def _groups(self, kube: Kube, body: dict[str, Any], obs: Observed, revision: str, verify: bool = False):
         ns = body["metadata"]["namespace"]
         now = self.clock()
         groups: list[rollout.Group] = []
@@ -322,13 +343,17 @@ class Controller:
             meta = sts["metadata"]
             labels = meta.get("labels") or {}
             ann = meta.get("annotations") or {}
-            size = int((sts.get("spec") or {}).get("replicas") or 0)
+            size = group_size(sts)
             pods = [p for p in obs.pods.get(gname, []) if not p["metadata"].get("deletionTimestamp")]
             ready_pods = sum(pod_ready(p) for p in pods)
             ready = size > 0 and ready_pods == size and len(pods) == size
             restarts = int(ann.get(A_RESTARTS, "0"))
             terminating = bool(meta.get("deletionTimestamp"))
             g_rev = labels.get(render.L_REVISION, "")
+            if not terminating and g_rev == revision and verify:
+                # Drift (a group scaled by hand, a label removed): put back what we own.
+                index = int(labels.get(render.L_INDEX, "0"))
+                self._apply_now(kube, render.group_statefulset(body, revision, index, self.cluster_domain))
             if not terminating:
                 self._label_roles(kube, ns, pods)
                 reason = failure_reason(pods) if g_rev == revision else None

@@ -341,6 +341,44 @@ def revision_hash(body: dict[str, Any]) -> str:
     return canonical_hash(pod_template(body, group=None), length=8)
 
 
+# ---------------------------------------------------------------- drift
+
+# Maps the API server replaces whole on apply (mapType atomic), so a key someone else
+# added there is drift we can repair: compare them exactly, not as a subset.
+ATOMIC_MAPS = ("selector", "matchLabels")
+_META_KEYS = ("labels", "annotations", "ownerReferences")
+
+
+def drift(desired: Any, live: Any, path: str = "") -> list[str]:
+    """Where a live object no longer holds what the operator set (paths), [] if it does.
+
+    The desired object is compared as a subset of the live one: fields the API server
+    defaults or other tools add are not drift, a changed or missing field we set is
+    (a StatefulSet scaled by hand, a Service selector given an extra label). Scalars are
+    compared as strings: the server returns quantities such as `2` as "2".
+    """
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return [path or "/"]
+        if path.rsplit(".", 1)[-1] in ATOMIC_MAPS and all(not isinstance(v, (dict, list)) for v in desired.values()):
+            same = {k: str(v) for k, v in desired.items()} == {k: str(v) for k, v in live.items()}
+            return [] if same else [path]
+        out: list[str] = []
+        for key, want in desired.items():
+            if path == "metadata" and key not in _META_KEYS:
+                continue  # name/namespace address the object; the rest is the server's
+            if key not in live:
+                out.append(f"{path}.{key}".lstrip("."))
+            else:
+                out += drift(want, live[key], f"{path}.{key}".lstrip("."))
+        return out
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return [path]
+        return [p for i, (a, b) in enumerate(zip(desired, live)) for p in drift(a, b, f"{path}[{i}]")]
+    return [] if str(desired) == str(live) else [path]
+
+
 # ---------------------------------------------------------------- objects
 
 def _stamp(obj: dict[str, Any]) -> dict[str, Any]:

@@ -258,3 +258,56 @@ def test_forget_keeps_the_applied_hashes_of_a_longer_name(world):
     c.trigger("default", "demo2")
     c.forget("default", "demo")
     assert {k[4] for k in c.applied} == {"demo2"}
+
+
+def test_drift_in_children_is_repaired(world):
+    # Issue 19, defect 2: a group scaled to 1 pod of 2 and a Service given an extra selector
+    # label stayed so, and status still said Available.
+    kube, c, clock, *_ = world
+    idf(kube, replicas=2, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    g0, g1 = sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("StatefulSet", "default", g0)]["spec"]["replicas"] = 1
+    del kube.objects[("Pod", "default", f"{g0}-1")]
+    kube.objects[("Service", "default", "demo")]["spec"]["selector"]["extra"] = "x"
+    # An event-driven round already judges the group by its pipeline size, not its replicas.
+    c.trigger("default", "demo")
+    st = status(kube)
+    assert {g["name"]: g["ready"] for g in st["groups"]} == {g0: False, g1: True}
+    # The timer round re-checks the cluster and repairs both.
+    clock.t += 10
+    c.trigger("default", "demo", scrape=True)
+    assert kube.objects[("StatefulSet", "default", g0)]["spec"]["replicas"] == 2
+    assert "extra" not in kube.objects[("Service", "default", "demo")]["spec"]["selector"]
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    assert status(kube)["readyReplicas"] == 2
+
+
+def test_a_scale_down_keeps_the_healthy_group_over_a_drifted_one(world):
+    kube, c, *_ = world
+    idf(kube, replicas=2, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    g0, g1 = sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("StatefulSet", "default", g0)]["spec"]["replicas"] = 1
+    del kube.objects[("Pod", "default", f"{g0}-1")]
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["replicas"] = 1
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("StatefulSet")) == [g1]
+
+
+def test_drift_ignores_what_the_server_adds():
+    obj = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "a", "labels": {"x": "1"}},
+           "spec": {"selector": {"a": "b"}, "ports": [{"port": 8000, "name": "http"}]}}
+    live = {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "a", "uid": "u", "resourceVersion": "9", "labels": {"x": "1", "other": "y"}},
+            "spec": {"selector": {"a": "b"}, "clusterIP": "10.0.0.1",
+                     "ports": [{"port": 8000, "name": "http", "protocol": "TCP", "targetPort": 8000}]}}
+    assert render.drift(obj, live) == []
+    live["spec"]["selector"]["c"] = "d"
+    live["spec"]["ports"][0]["port"] = 80
+    assert render.drift(obj, live) == ["spec.selector", "spec.ports[0].port"]
