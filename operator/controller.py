@@ -26,6 +26,7 @@ MAX_RERUNS = 2
 LONE_POD_SPREAD_SECONDS = 60
 A_RESTARTS = "shoal.dev/restarts"
 A_RESTARTED_AT = "shoal.dev/restarted-at"
+A_RESTART_TIMES = "shoal.dev/recent-restarts"   # epoch seconds within status.RESTART_WINDOW_SECONDS
 
 
 # ---------------------------------------------------------------- runtime metrics
@@ -101,6 +102,12 @@ def failure_reason(pods: list[dict[str, Any]]) -> str | None:
     if len(times) > 1 and max(times) - min(times) > LONE_POD_SPREAD_SECONDS:
         return "a pod was recreated alone"
     return None
+
+
+def recent_restarts(annotations: dict[str, str], now: float) -> list[int]:
+    """The group's restart times within the window (for the Degraded condition's count)."""
+    times = [int(t) for t in (annotations.get(A_RESTART_TIMES) or "").split() if t.isdigit()]
+    return [t for t in times if now - t < status.RESTART_WINDOW_SECONDS]
 
 
 def group_size(sts: dict[str, Any]) -> int:
@@ -272,7 +279,8 @@ class Controller:
         # 5. Status.
         new_status = status.build(body=body, groups=groups, group_details=details, revision=revision,
                                   desired=desired, selector=render.selector(name), failing=failing,
-                                  autoscaler=auto_state, now=now)
+                                  autoscaler=auto_state, now=now,
+                                  url=render.serving_url(name, ns, self.cluster_domain))
         self._write_status(kube, body, new_status)
         metrics.set_groups(ns, name, desired, new_status["readyReplicas"])
         return new_status
@@ -363,10 +371,14 @@ class Controller:
                     last = float(ann.get(A_RESTARTED_AT, "0") or 0)
                     if now - last >= RESTART_COOLDOWN_SECONDS:
                         restarts += 1
-                        self._restart_group(kube, body, sts, obs.pods.get(gname, []), reason, restarts, now)
+                        recent = recent_restarts(ann, now) + [int(now)]
+                        self._restart_group(kube, body, sts, obs.pods.get(gname, []), reason, restarts, now, recent)
+                        ann = {**ann, A_RESTARTED_AT: str(int(now)), A_RESTART_TIMES: " ".join(map(str, recent))}
             groups.append(rollout.Group(gname, g_rev, int(labels.get(render.L_INDEX, "0")), ready=ready,
                                         terminating=terminating))
-            details[gname] = {"readyPods": ready_pods, "restarts": restarts}
+            details[gname] = {"readyPods": ready_pods, "restarts": restarts,
+                              "recentRestarts": len(recent_restarts(ann, now)),
+                              "lastRestart": float(ann[A_RESTARTED_AT]) if ann.get(A_RESTARTED_AT) else None}
         return groups, details, failing
 
     def _label_roles(self, kube: Kube, ns: str, pods: list[dict[str, Any]]) -> None:
@@ -384,10 +396,11 @@ class Controller:
                         raise
 
     def _restart_group(self, kube: Kube, body: dict[str, Any], sts: dict[str, Any], pods: list[dict[str, Any]],
-                       reason: str, restarts: int, now: float) -> None:
+                       reason: str, restarts: int, now: float, recent: list[int]) -> None:
         ns, gname = body["metadata"]["namespace"], sts["metadata"]["name"]
         kube.merge_patch("apps/v1", "StatefulSet", ns, gname, {"metadata": {"annotations": {
-            A_RESTARTS: str(restarts), A_RESTARTED_AT: str(int(now))}}})
+            A_RESTARTS: str(restarts), A_RESTARTED_AT: str(int(now)),
+            A_RESTART_TIMES: " ".join(map(str, recent))}}})
         for pod in pods:
             kube.delete("v1", "Pod", ns, pod["metadata"]["name"])
         metrics.group_restarted(ns, body["metadata"]["name"])

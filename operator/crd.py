@@ -265,6 +265,7 @@ def status_schema() -> dict[str, Any]:
             "queueDepth": {"type": "integer"},
             "revision": {"type": "string"},
             "model": {"type": "string"},
+            "url": {"type": "string", "description": "the traffic Service's URL (OpenAI API under /v1)"},
             "groups": {
                 "type": "array",
                 "items": {
@@ -276,6 +277,9 @@ def status_schema() -> dict[str, Any]:
                         "pods": {"type": "integer", "description": "ready pods"},
                         "queueDepth": {"type": "integer"},
                         "restarts": {"type": "integer"},
+                        "recentRestarts": {"type": "integer", "description": "restarts in the last hour"},
+                        "lastRestartTime": {"type": "string", "format": "date-time"},
+                        "readySince": {"type": "string", "format": "date-time"},
                         "terminating": {"type": "boolean"},
                     },
                 },
@@ -360,6 +364,7 @@ def crd() -> dict[str, Any]:
                     {"name": "Queue", "type": "integer", "jsonPath": ".status.queueDepth"},
                     {"name": "Available", "type": "string",
                      "jsonPath": ".status.conditions[?(@.type==\"Available\")].status"},
+                    {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
             }],

@@ -64,6 +64,11 @@ def leader_addr(name: str, namespace: str, group: str, cluster_domain: str = "cl
     return f"{group}-0.{headless_name(name)}.{namespace}.svc.{cluster_domain}"
 
 
+def serving_url(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
+    """Where clients reach the model: the traffic Service (OpenAI-compatible API under /v1)."""
+    return f"http://{name}.{namespace}.svc.{cluster_domain}:{HTTP_PORT}"
+
+
 def common_labels(name: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "shoal",

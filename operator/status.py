@@ -5,8 +5,14 @@
 - `Progressing`: True while a rollout or a scale is under way (reasons RolloutInProgress,
   ScalingUp, ScalingDown, WaitingForGroups); False with reason RolloutComplete when every
   group is ready on the current revision and the count matches.
-- `Degraded`: True when a group is failing (being restarted) or the last reconcile failed
-  (reasons GroupFailing, ReconcileError); else False/AsExpected.
+- `Ready`: True when the resource is done: Available and the rollout complete (every
+  desired group ready on the current revision), so `kubectl wait --for=condition=Ready`
+  and kstatus-based tools (Flux `wait: true`) wait for the rollout; reasons AllGroupsReady,
+  else Progressing's reason, or MinimumGroupsUnavailable.
+- `Degraded`: True when a group is failing (being restarted), when a restarted group has
+  not yet been ready for STABLE_SECONDS since (so a crash-looping group stays Degraded
+  between its restarts, for Argo CD and Flux to see), or the last reconcile failed
+  (reasons GroupFailing, GroupRecovering, ReconcileError); else False/AsExpected.
 
 Every condition carries `observedGeneration`; `lastTransitionTime` changes only when
 the condition's status changes.
@@ -20,9 +26,35 @@ from typing import Any
 
 from shoal.operator.rollout import Group
 
+STABLE_SECONDS = 120            # a restarted group must be ready this long before Degraded clears
+RESTART_WINDOW_SECONDS = 3600   # restarts counted in the message and status.groups[].recentRestarts
+
 
 def now_rfc3339(now: float) -> str:
     return datetime.datetime.fromtimestamp(now, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def ready_since(g: Group, previous: Mapping[str, Any] | None, now: float) -> str | None:
+    """When the group last turned ready (kept from the previous status while it stays ready)."""
+    if not g.ready:
+        return None
+    if previous and previous.get("ready") and previous.get("readySince"):
+        return previous["readySince"]
+    return now_rfc3339(now)
+
+
+def recovering(last_restart: float | None, since: str | None, now: float) -> bool:
+    """Restarted, and not yet ready for STABLE_SECONDS since (within the restart window)."""
+    if last_restart is None or now - last_restart >= RESTART_WINDOW_SECONDS:
+        return False
+    t = parse_rfc3339(since)
+    return t is None or t < last_restart or now - t < STABLE_SECONDS
 
 
 def condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
@@ -54,6 +86,7 @@ def build(
     error: str | None = None,
     autoscaler: Mapping[str, Any] | None = None,
     now: float,
+    url: str | None = None,
 ) -> dict[str, Any]:
     spec = body["spec"]
     prev = body.get("status") or {}
@@ -82,10 +115,19 @@ def build(
     else:
         prog = (True, "WaitingForGroups", f"{len(updated_ready)}/{desired} group(s) ready")
 
+    prev_groups = {g.get("name"): g for g in prev.get("groups") or []}
+    since = {g.name: ready_since(g, prev_groups.get(g.name), now) for g in groups}
+    restarted = {g.name: group_details.get(g.name, {}) for g in live}
+    healing = sorted(n for n, d in restarted.items() if recovering(d.get("lastRestart"), since[n], now))
     if error:
         deg = (True, "ReconcileError", error)
     elif failing:
         deg = (True, "GroupFailing", "restarting group(s): " + ", ".join(sorted(failing)))
+    elif healing:
+        counts = ", ".join(f"{n} ({int(restarted[n].get('recentRestarts', 0))} in "
+                           f"{RESTART_WINDOW_SECONDS // 60}m)" for n in healing)
+        deg = (True, "GroupRecovering",
+               f"restarted group(s) not yet ready for {STABLE_SECONDS}s: {counts}")
     else:
         deg = (False, "AsExpected", "no failing groups")
 
@@ -97,6 +139,13 @@ def build(
         condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now),
         condition("Degraded", deg[0], deg[1], deg[2], generation, previous, now),
     ]
+    if available and complete:
+        rdy = (True, "AllGroupsReady", f"{desired} group(s) ready on revision {revision}")
+    elif not available:
+        rdy = (False, "MinimumGroupsUnavailable", conditions[0]["message"])
+    else:
+        rdy = (False, prog[1], prog[2])
+    conditions.insert(0, condition("Ready", rdy[0], rdy[1], rdy[2], generation, previous, now))
 
     status: dict[str, Any] = {
         "replicas": len(live),
@@ -107,6 +156,7 @@ def build(
         "queueDepth": queue,
         "revision": revision,
         "model": spec["model"]["source"],
+        **({"url": url} if url else {}),
         "groups": [
             {
                 "name": g.name,
@@ -115,7 +165,11 @@ def build(
                 "pods": int(group_details.get(g.name, {}).get("readyPods", 0)),
                 "queueDepth": int(round(g.load)),
                 "restarts": int(group_details.get(g.name, {}).get("restarts", 0)),
+                "recentRestarts": int(group_details.get(g.name, {}).get("recentRestarts", 0)),
                 "terminating": g.terminating,
+                **({"readySince": since[g.name]} if since[g.name] else {}),
+                **({"lastRestartTime": now_rfc3339(group_details[g.name]["lastRestart"])}
+                   if group_details.get(g.name, {}).get("lastRestart") else {}),
             }
             for g in sorted(groups, key=lambda g: g.name)
         ],

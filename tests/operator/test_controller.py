@@ -70,7 +70,8 @@ def test_reconcile_creates_groups_and_reports_status(world):
     st = status(kube)
     assert st["readyReplicas"] == 2 and st["observedGeneration"] == 1
     assert {x["type"]: x["status"] for x in st["conditions"]} == \
-        {"Available": "True", "Progressing": "False", "Degraded": "False"}
+        {"Ready": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
+    assert st["url"] == "http://demo.default.svc.cluster.local:8000"
     roles = {p["metadata"]["name"]: p["metadata"]["labels"].get("shoal.dev/role") for p in kube.of_kind("Pod").values()}
     assert sorted(roles.values()) == ["leader", "leader", "worker", "worker"]
     assert [r for _, r, _ in events].count("GroupCreated") == 2
@@ -107,6 +108,15 @@ def test_a_failed_pod_restarts_its_whole_group(world):
     kube.run_statefulsets()                                # the StatefulSet recreates them together
     clock.t += 5
     c.trigger("default", "demo")
+    # Issue 19, defect 5: Degraded lasted one second; it holds until the group has been ready a while.
+    deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "GroupRecovering", deg
+    assert status(kube)["groups"][0]["restarts"] == 1 and status(kube)["groups"][0]["recentRestarts"] == 1
+    clock.t += 60
+    c.trigger("default", "demo", scrape=True)
+    assert next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"] == "True"
+    clock.t += 61
+    c.trigger("default", "demo", scrape=True)
     assert next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"] == "False"
     assert status(kube)["groups"][0]["restarts"] == 1
 
@@ -311,3 +321,22 @@ def test_drift_ignores_what_the_server_adds():
     live["spec"]["selector"]["c"] = "d"
     live["spec"]["ports"][0]["port"] = 80
     assert render.drift(obj, live) == ["spec.selector", "spec.ports[0].port"]
+
+
+def test_a_crash_looping_group_stays_degraded(world):
+    kube, c, clock, events, _ = world
+    idf(kube, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    (group,) = kube.of_kind("StatefulSet")
+    seen = []
+    for _ in range(4):
+        kube.run_statefulsets(ready=False)
+        kube.objects[("Pod", "default", f"{group}-1")]["status"]["containerStatuses"][0]["restartCount"] = 1
+        for _ in range(4):   # the timer, every 10 s, between and through the restarts
+            clock.t += 10
+            c.trigger("default", "demo", scrape=True)
+            seen.append(next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"])
+    assert set(seen) == {"True"}, seen
+    assert status(kube)["groups"][0]["recentRestarts"] >= 3

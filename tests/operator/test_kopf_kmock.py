@@ -284,6 +284,8 @@ async def test_apply_rollout_delete(cluster):
             assert st["observedGeneration"] == 1 and st["desiredReplicas"] == 2 and st["updatedReplicas"] == 2
             assert st["selector"] == "shoal.dev/deployment=demo,apps.kubernetes.io/pod-index=0"
             assert cond(st, "Degraded")["status"] == "False"
+            assert cond(st, "Ready")["status"] == "True" and cond(st, "Ready")["reason"] == "AllGroupsReady"
+            assert st["url"] == "http://demo.default.svc.cluster.local:8000"
             assert all(c["observedGeneration"] == 1 for c in st["conditions"])
             assert {g["name"] for g in st["groups"]} == {s["metadata"]["name"] for s in stss}
             # The operator labelled the roles (pod index 0 is the leader).
