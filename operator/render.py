@@ -237,6 +237,8 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         {"name": "SHOAL_PIPELINE_SIZE", "value": str(par["pipeline"])},
         {"name": "SHOAL_TENSOR_SIZE", "value": str(par["tensor"])},
         {"name": "SHOAL_DIST_PORT", "value": str(DIST_PORT)},
+        # worker pods keep serving this long after SIGTERM, until the leader has drained the group
+        {"name": "SHOAL_DRAIN_TIMEOUT", "value": str(spec["engine"]["drainTimeoutSeconds"])},
         {"name": "SHOAL_MODEL_REVISION", "value": spec["model"].get("revision", "main")},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},

@@ -12,7 +12,8 @@ pipeline_rank * tensor + tensor_rank, and global rank 0 (the leader) runs the en
   `SHOAL_PIPELINE_RANK` > 0 never builds an engine: `run_worker_pod_if_needed` runs its
   first rank in-process and its other `tensor - 1` ranks as children, serves a minimal
   `/health` and `/ready` on the HTTP port (the operator probes every pod), and returns
-  True when the leader tells the group to stop.
+  True when the leader tells the group to stop. SIGTERM does not end a worker pod: the
+  leader drains the group's in-flight requests first (keep_serving_on_sigterm).
 
 Every rank then joins one torch.distributed world through the leader's store (gloo on
 CPU, NCCL on CUDA for the tensor/pipeline data; a gloo group always carries the leader's
@@ -28,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -373,6 +375,52 @@ def _serve_probes(host: str, port: int, is_ready) -> object:
     return server
 
 
+ENV_DRAIN_TIMEOUT = "SHOAL_DRAIN_TIMEOUT"  # the operator renders --drain-timeout here too
+DEFAULT_DRAIN_TIMEOUT = 30.0                # `shoal serve --drain-timeout`'s default
+WORKER_DRAIN_MARGIN = 10.0                  # the leader's shutdown after its drain (< the pod's grace margin)
+
+
+def keep_serving_on_sigterm(timeout: float, exit_=os._exit) -> bool:
+    """A worker pod's SIGTERM: keep serving, since the group's in-flight requests need every
+    stage, until the leader (which drains on its own SIGTERM) stops the group; exit 0 after
+    `timeout` + WORKER_DRAIN_MARGIN seconds if it never does.
+
+    Kubernetes signals every pod of a group at once: a worker that died at once would fail
+    the leader's drain. The main thread may sit in a blocking collective (where Python
+    handlers do not run), so the signal reaches a thread through the wakeup fd.
+    False (nothing installed) off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # not the default (die); the thread below acts
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    bound = max(0.0, timeout) + WORKER_DRAIN_MARGIN
+
+    def expire() -> None:
+        log.warning("SIGTERM %.0f s ago and the leader has not stopped the group: exiting", bound)
+        print(f"shoal: worker pod: the leader did not stop the group within {bound:g}s of SIGTERM, exiting",
+              file=sys.stderr, flush=True)
+        exit_(0)
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if int(signal.SIGTERM) in data:
+                log.warning("SIGTERM: serving the group's in-flight requests until the leader stops it "
+                            "(at most %.0f s)", bound)
+                timer = threading.Timer(bound, expire)
+                timer.daemon = True  # a group stopped in time exits without waiting for it
+                timer.start()
+                return
+
+    threading.Thread(target=watch, name="shoal-worker-sigterm", daemon=True).start()
+    return True
+
+
 def run_worker_pod_if_needed(config, host: str = "0.0.0.0", port: int | None = None) -> bool:
     """For `shoal serve`, first thing: in a pod group's pod with SHOAL_PIPELINE_RANK > 0, run
     this pod's ranks until the leader stops the group, and return True (the process is
@@ -386,6 +434,7 @@ def run_worker_pod_if_needed(config, host: str = "0.0.0.0", port: int | None = N
 
     if port is None:
         port = int(option(config, "port", 8000))
+    keep_serving_on_sigterm(float(os.environ.get(ENV_DRAIN_TIMEOUT) or DEFAULT_DRAIN_TIMEOUT))
     ready = threading.Event()
     probes = _serve_probes(host, port, ready.is_set) if port else None
     try:

@@ -217,3 +217,12 @@ def test_reserved_env_is_not_overridable(defaulted):
     env = render.pod_template(body, "g")["spec"]["containers"][0]["env"]
     assert [e["value"] for e in env if e["name"] == "SHOAL_GROUP"] == ["g"]
     assert {"name": "A", "value": "1"} in env
+
+
+def test_worker_pods_get_the_drain_timeout(defaulted):
+    # Issue 19, defect 4: a worker pod keeps serving after SIGTERM, bounded by the drain timeout.
+    body = defaulted(parallelism={"pipeline": 2}, engine={"drainTimeoutSeconds": 90})
+    sts = render.group_statefulset(body, render.revision_hash(body), 0)
+    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SHOAL_DRAIN_TIMEOUT"] == "90"
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90 + 10
