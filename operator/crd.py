@@ -48,6 +48,47 @@ RULE_NAME_FORMAT = {
     "message": "metadata.name must be a DNS label that starts with a letter (lower case letters, digits "
                "and '-'; no dots): it names Services and StatefulSets",
 }
+# Bad inputs refused by the API server (issue 19); validate.py applies the same rules in
+# the operator, for a cluster whose CRD is older than the operator.
+ACCELERATOR_RULE_KEY = "(k.endsWith('/gpu') || k.startsWith('nvidia.com/mig-'))"
+RULE_ACCELERATORS = {
+    "rule": " && ".join(
+        f"(!has(self.resources) || !has(self.resources.{part}) || self.resources.{part}.all(k, "
+        f"!{ACCELERATOR_RULE_KEY} || string(self.resources.{part}[k]) == string(self.parallelism.tensor)))"
+        for part in ("limits", "requests")),
+    "message": "an accelerator resource (*/gpu, nvidia.com/mig-*) must equal parallelism.tensor "
+               "(each pod holds `tensor` ranks, one accelerator each)",
+}
+# Flags the operator sets itself, with every prefix argparse would accept for them.
+RESERVED_FLAGS = ("port", "host", "tensor-parallel-size", "pipeline-parallel-size")
+RESERVED_FLAG_PATTERN = (
+    "^(--(" + "|".join(sorted({f[:i] for f in RESERVED_FLAGS for i in range(1, len(f) + 1)}, key=lambda x: (-len(x), x)))
+    + ")(=.*)?|-(tp|pp).*)$"
+)
+RULE_EXTRA_ARGS = {
+    "rule": f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_FLAG_PATTERN}'))",
+    "message": "engine.extraArgs may not set --port, --host or the parallel sizes (the operator sets them "
+               "from the spec)",
+}
+RESERVED_VOLUMES = ("dshm", "model", "model-cache")
+RULE_VOLUMES = {
+    "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in "
+            + "[" + ", ".join(f"'{v}'" for v in RESERVED_VOLUMES) + "]))",
+    "message": "podTemplate.volumes: the names " + ", ".join(RESERVED_VOLUMES) + " are the operator's",
+}
+RULE_SHM_MOUNT = {
+    "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, m.mountPath != '/dev/shm' "
+            "&& !m.mountPath.startsWith('/dev/shm/'))",
+    "message": "podTemplate.volumeMounts: /dev/shm is mounted by the operator (sized by parallelism.tensor)",
+}
+RULE_ENV = {
+    "rule": "!has(self.env) || self.env.all(e, !e.name.startsWith('SHOAL_'))",
+    "message": "podTemplate.env: SHOAL_* names are reserved for the operator",
+}
+RULE_SOURCE_PATH = {
+    "rule": "!self.source.matches('^(pvc|file)://(.*/)?[.][.](/.*)?$')",
+    "message": "model.source: a path may not contain '..'",
+}
 RULE_MIN_MAX = {
     "rule": "self.minReplicas <= self.maxReplicas",
     "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
@@ -83,16 +124,26 @@ def _free_object(description: str = "") -> dict[str, Any]:
     return s
 
 
+def _named_list(description: str, *more: str) -> dict[str, Any]:
+    """A list of core/v1 objects: the keys the CEL rules read are declared (and required),
+    the rest is the API server's to check when the group's StatefulSet is created."""
+    keys = ("name",) + more
+    item = {**_free_object(), "required": list(keys), "properties": {k: {"type": "string"} for k in keys}}
+    return {"type": "array", "description": description, "items": item}
+
+
 def _free_list(description: str = "") -> dict[str, Any]:
     return {"type": "array", "description": description, "items": _free_object()}
 
 
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 
+# Non-negative quantities only (no sign; integers >= 0).
 _QUANTITY = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],
     "x-kubernetes-int-or-string": True,
-    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    "minimum": 0,  # applies to the integer form
+    "pattern": r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
 }
 
 
@@ -101,6 +152,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "description": "What to serve.",
         "required": ["source"],
+        "x-kubernetes-validations": [RULE_SOURCE_PATH],
         "properties": {
             "source": {
                 "type": "string",
@@ -137,7 +189,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "default": {},
         "description": "Runtime flags of `shoal serve`.",
-        "x-kubernetes-validations": [RULE_BATCH],
+        "x-kubernetes-validations": [RULE_BATCH, RULE_EXTRA_ARGS],
         "properties": {
             "maxNumSeqs": _int(256, 1, 65536),
             "maxNumBatchedTokens": _int(2048, 1, 1048576),
@@ -189,7 +241,8 @@ def spec_schema() -> dict[str, Any]:
             "serviceMonitor": {"type": "boolean", "default": False,
                                "description": "render a ServiceMonitor and a PodMonitor "
                                               "(prometheus-operator) instead of scrape annotations"},
-            "interval": {"type": "string", "default": "15s", "pattern": r"^[0-9]+(ms|s|m|h)$"},
+            "interval": {"type": "string", "default": "15s", "pattern": r"^0*[1-9][0-9]*(ms|s|m|h)$",
+                         "description": "scrape interval, > 0"},
             "labels": {**_STRING_MAP, "description": "extra labels on the monitors (e.g. release: prometheus)"},
         },
     }
@@ -197,6 +250,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "default": {},
         "description": "Merged into every pod of every group.",
+        "x-kubernetes-validations": [RULE_VOLUMES, RULE_SHM_MOUNT, RULE_ENV],
         "properties": {
             "metadata": {
                 "type": "object",
@@ -211,16 +265,17 @@ def spec_schema() -> dict[str, Any]:
             "schedulerName": {"type": "string"},
             "serviceAccountName": {"type": "string"},
             "imagePullSecrets": _free_list("core/v1 LocalObjectReference"),
-            "env": _free_list("core/v1 EnvVar (SHOAL_* names are reserved)"),
+            "env": _named_list("core/v1 EnvVar (SHOAL_* names are reserved)"),
             "envFrom": _free_list("core/v1 EnvFromSource"),
-            "volumes": _free_list("core/v1 Volume"),
-            "volumeMounts": _free_list("core/v1 VolumeMount"),
+            "volumes": _named_list("core/v1 Volume (dshm, model, model-cache are reserved)"),
+            "volumeMounts": _named_list("core/v1 VolumeMount (not at /dev/shm)", "mountPath"),
             "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
         },
     }
     return {
         "type": "object",
         "required": ["model"],
+        "x-kubernetes-validations": [RULE_ACCELERATORS],
         "properties": {
             "model": model,
             "replicas": _int(1, 0, MAX_REPLICAS, "pod groups (when autoscaling is off)"),
@@ -308,7 +363,8 @@ def status_schema() -> dict[str, Any]:
                 "x-kubernetes-list-map-keys": ["type"],
             },
         },
-        "x-kubernetes-preserve-unknown-fields": True,  # room for kopf's own bookkeeping
+        # No x-kubernetes-preserve-unknown-fields: kopf keeps its progress and diff base in
+        # annotations (main.configure), so status holds only what is declared here.
     }
 
 

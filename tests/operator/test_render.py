@@ -226,3 +226,13 @@ def test_worker_pods_get_the_drain_timeout(defaulted):
     env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["SHOAL_DRAIN_TIMEOUT"] == "90"
     assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90 + 10
+
+
+def test_mig_slices_are_accelerators(defaulted):
+    # Issue 19: nvidia.com/mig-* was not treated as an accelerator (CPU image, no per-rank count).
+    body = defaulted(parallelism={"tensor": 2}, resources={"limits": {"nvidia.com/mig-3g.40gb": 2}})
+    sts = render.group_statefulset(body, render.revision_hash(body), 0)
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == defaults.DEFAULT_GPU_IMAGE
+    assert c["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == 2
+    validate_k8s(sts)
