@@ -74,7 +74,7 @@ def _load(path: str) -> list[dict]:
 def cmd_render(args: argparse.Namespace) -> int:
     import yaml
 
-    from shoal.operator import crd, render
+    from shoal.operator import crd, defaults, render, validate
 
     docs = [d for d in _load(args.file) if d.get("kind") == crd.KIND]
     if not docs:
@@ -82,6 +82,10 @@ def cmd_render(args: argparse.Namespace) -> int:
         return 1
     out = []
     for doc in docs:
+        bad = validate.problems(defaults.apply_defaults(doc))
+        if bad:  # what the controller would refuse (status InvalidSpec), refused here too
+            print(f"{doc['metadata'].get('name')}: " + "; ".join(bad), file=sys.stderr)
+            return 1
         out += render.render_all(doc, cluster_domain=args.cluster_domain)
     sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
     return 0

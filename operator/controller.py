@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, status
+from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, status, validate
 from shoal.operator.kube import ApiError, Kube
 
 log = logging.getLogger("shoal.operator")
@@ -211,6 +211,14 @@ class Controller:
             return None
         body = defaults.apply_defaults(raw)
         body["metadata"].setdefault("namespace", namespace)
+        bad = validate.problems(body)
+        if bad:
+            # Refused before any child is touched; the groups that run keep running.
+            new = status.refused(body, bad, self.clock())
+            if not status.same({k: (body.get("status") or {}).get(k) for k in new}, new):
+                kube.merge_patch(crd.API_VERSION, crd.KIND, namespace, name, {"status": new}, subresource="status")
+                self.events(body, "Warning", "InvalidSpec", "; ".join(bad)[:1000])
+            return new
         with metrics.reconciling():
             try:
                 return self._reconcile(kube, body, scrape)

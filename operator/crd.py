@@ -81,6 +81,7 @@ RULE_SHM_MOUNT = {
             "&& !m.mountPath.startsWith('/dev/shm/'))",
     "message": "podTemplate.volumeMounts: /dev/shm is mounted by the operator (sized by parallelism.tensor)",
 }
+RESERVED_ENV_PREFIX = "SHOAL_"
 RULE_ENV = {
     "rule": "!has(self.env) || self.env.all(e, !e.name.startsWith('SHOAL_'))",
     "message": "podTemplate.env: SHOAL_* names are reserved for the operator",

@@ -9,6 +9,9 @@
   desired group ready on the current revision), so `kubectl wait --for=condition=Ready`
   and kstatus-based tools (Flux `wait: true`) wait for the rollout; reasons AllGroupsReady,
   else Progressing's reason, or MinimumGroupsUnavailable.
+- a spec the operator refuses (validate.py): `Ready`, `Degraded` and `Progressing` say
+  InvalidSpec with the problems, `Available` and the rest stay as they were (no child
+  is touched, so groups that serve keep serving).
 - `Degraded`: True when a group is failing (being restarted), when a restarted group has
   not yet been ready for STABLE_SECONDS since (so a crash-looping group stays Degraded
   between its restarts, for Argo CD and Flux to see), or the last reconcile failed
@@ -189,3 +192,21 @@ def same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         d["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in d.get("conditions") or []]
         return d
     return strip(a) == strip(b)
+
+
+def refused(body: Mapping[str, Any], problems: Sequence[str], now: float) -> dict[str, Any]:
+    """The status of a spec that cannot be rendered: the reasons, nothing else changed."""
+    prev = body.get("status") or {}
+    generation = body["metadata"].get("generation")
+    previous = prev.get("conditions") or []
+    message = "; ".join(problems)[:1000]
+    changed = [
+        condition("Ready", False, "InvalidSpec", message, generation, previous, now),
+        condition("Progressing", False, "InvalidSpec", message, generation, previous, now),
+        condition("Degraded", True, "InvalidSpec", message, generation, previous, now),
+    ]
+    kept = [c for c in previous if c.get("type") not in {c["type"] for c in changed}]
+    out: dict[str, Any] = {"conditions": changed + kept}
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out

@@ -118,3 +118,12 @@ def test_run_serves_metrics_and_liveness_and_stops_on_sigterm(tmp_path):
             assert proc.returncode == 0, out
 
     asyncio.run(scenario())
+
+
+def test_render_refuses_an_invalid_spec(capsys, tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("apiVersion: shoal.dev/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: llama.v2}\n"
+                 "spec: {model: {source: 'builtin://smollm2-135m-instruct'}}\n")
+    args = parse("render", str(f))
+    assert args.func(args) == 1
+    assert "DNS label" in capsys.readouterr().err

@@ -1,0 +1,56 @@
+"""The CRD's issue-19 rules, in Python: what the operator refuses to render. Pure.
+
+The API server enforces them through the CRD's CEL rules (crd.py). The operator checks
+again before it touches any child, so a cluster still running an older CRD (or a file
+given to `shoal operator render`) gets a status with the reason, not broken children.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from shoal.operator import crd, defaults
+
+_NEGATIVE = re.compile(r"^\s*-")
+
+
+def problems(body: dict[str, Any]) -> list[str]:
+    """Why this (defaulted) resource cannot be rendered; [] when it can."""
+    out: list[str] = []
+    name = body["metadata"].get("name") or ""
+    if len(name) > crd.MAX_NAME_LENGTH:
+        out.append(crd.RULE_NAME["message"])
+    if not re.match(crd.NAME_PATTERN, name):
+        out.append(crd.RULE_NAME_FORMAT["message"])
+    spec = body["spec"]
+    tensor = spec["parallelism"]["tensor"]
+    res = spec.get("resources") or {}
+    for part in ("limits", "requests"):
+        for key, value in (res.get(part) or {}).items():
+            if defaults.is_accelerator(key) and str(value) != str(tensor):
+                out.append(f"resources.{part}[{key}] = {value}: " + crd.RULE_ACCELERATORS["message"])
+            if _NEGATIVE.match(str(value)):
+                out.append(f"resources.{part}[{key}] is negative")
+    if _NEGATIVE.match(str(spec["model"].get("cacheSize", ""))):
+        out.append("model.cacheSize is negative")
+    if re.match(r"^(pvc|file)://(.*/)?[.][.](/.*)?$", spec["model"]["source"]):
+        out.append(crd.RULE_SOURCE_PATH["message"])
+    for arg in spec["engine"].get("extraArgs") or []:
+        if re.match(crd.RESERVED_FLAG_PATTERN, arg):
+            out.append(f"engine.extraArgs {arg!r}: " + crd.RULE_EXTRA_ARGS["message"])
+    tpl = spec.get("podTemplate") or {}
+    for v in tpl.get("volumes") or []:
+        if v.get("name") in crd.RESERVED_VOLUMES:
+            out.append(f"podTemplate.volumes {v.get('name')!r}: " + crd.RULE_VOLUMES["message"])
+    for m in tpl.get("volumeMounts") or []:
+        path = str(m.get("mountPath", "")).rstrip("/")
+        if path == "/dev/shm" or path.startswith("/dev/shm/"):
+            out.append(crd.RULE_SHM_MOUNT["message"])
+    for e in tpl.get("env") or []:
+        if str(e.get("name", "")).startswith(crd.RESERVED_ENV_PREFIX):
+            out.append(f"podTemplate.env {e.get('name')}: " + crd.RULE_ENV["message"])
+    interval = spec["monitoring"].get("interval", "15s")
+    if not re.match(r"^0*[1-9][0-9]*(ms|s|m|h)$", str(interval)):
+        out.append(f"monitoring.interval {interval!r} must be a duration > 0")
+    return out
