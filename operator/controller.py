@@ -143,15 +143,17 @@ def _log_event(body: dict[str, Any], type_: str, reason: str, message: str) -> N
 class Controller:
     def __init__(self, kube: Kube | Callable[[], Kube], *, events: Events = _log_event,
                  clock: Callable[[], float] = time.time, cluster_domain: str = "cluster.local",
-                 fetch: Callable[[str], str] | None = None):
+                 fetch: Callable[[str], str] | None = None, allow_service_account: bool = False):
         self._kube = kube
         self.events = events
         self.clock = clock
         self.cluster_domain = cluster_domain
         self.fetch = fetch or fetch_metrics
+        self.allow_service_account = allow_service_account   # an admin's choice (--allow-pod-service-account)
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], dict[str, bool]] = {}
         self.loads: dict[tuple[str, str], dict[str, float]] = {}
+        self.no_pod_patch: set[str] = set()   # namespaces where RBAC refuses pods/patch
         # (kind, ns, name, owner uid, owner name) -> spec hash
         self.applied: dict[tuple[str, str, str, str, str], str] = {}
 
@@ -211,7 +213,7 @@ class Controller:
             return None
         body = defaults.apply_defaults(raw)
         body["metadata"].setdefault("namespace", namespace)
-        bad = validate.problems(body)
+        bad = validate.problems(body, allow_service_account=self.allow_service_account)
         if bad:
             # Refused before any child is touched; the groups that run keep running.
             new = status.refused(body, bad, self.clock())
@@ -246,6 +248,13 @@ class Controller:
 
         # 2. What the groups look like.
         obs = self._observe(kube, body)
+        if scrape:
+            # Policies of groups that are gone (a delete that failed half-way, an operator restart).
+            for np_ in self._list_quietly(kube, "networking.k8s.io/v1", "NetworkPolicy", ns,
+                                          render.selector_labels(name)):
+                group = (np_["metadata"].get("labels") or {}).get(render.L_GROUP)
+                if group and group not in obs.statefulsets and owned_by(np_, uid):
+                    self._delete_quietly(kube, "networking.k8s.io/v1", "NetworkPolicy", ns, np_["metadata"]["name"])
         groups, details, failing = self._groups(kube, body, obs, revision, verify=scrape)
 
         # 3. Queue depth (timer rounds only) and the autoscaler.
@@ -272,6 +281,7 @@ class Controller:
         plan = rollout.plan(groups, revision, desired, spec["rollout"]["maxSurge"], spec["rollout"]["maxUnavailable"])
         for index in plan.create:
             sts = render.group_statefulset(body, revision, index, self.cluster_domain)
+            self._apply_now(kube, render.group_network_policy(body, revision, index))  # before its pods exist
             self._apply_now(kube, sts)
             groups.append(rollout.Group(sts["metadata"]["name"], revision, index, ready=False))
             self.events(body, "Normal", "GroupCreated",
@@ -279,6 +289,9 @@ class Controller:
         doomed = set(plan.delete)
         for gname in plan.delete:
             kube.delete("apps/v1", "StatefulSet", ns, gname, propagation="Foreground")
+            # The group's policy goes with it; its pods still drain among themselves (their
+            # connections exist already, and no new peer needs the rendezvous port).
+            self._delete_quietly(kube, "networking.k8s.io/v1", "NetworkPolicy", ns, gname)
             g = next(g for g in groups if g.name == gname)
             why = "old revision" if g.revision != revision else "scale down"
             self.events(body, "Normal", "GroupDeleted", f"deleted group {gname} ({why}); its pods drain")
@@ -303,6 +316,24 @@ class Controller:
             if e.status in (403, 404):
                 return None
             raise
+
+    @staticmethod
+    def _list_quietly(kube: Kube, api_version: str, kind: str, ns: str,
+                      labels: dict[str, str]) -> list[dict[str, Any]]:
+        try:
+            return kube.list(api_version, kind, ns, labels)
+        except ApiError as e:
+            if e.status in (403, 404):
+                return []
+            raise
+
+    @staticmethod
+    def _delete_quietly(kube: Kube, api_version: str, kind: str, ns: str, name: str) -> None:
+        try:
+            kube.delete(api_version, kind, ns, name)
+        except ApiError as e:
+            if e.status not in (403, 404):
+                raise
 
     def _apply(self, kube: Kube, obj: dict[str, Any], verify: bool = True) -> None:
         meta = obj["metadata"]
@@ -367,8 +398,9 @@ class Controller:
             terminating = bool(meta.get("deletionTimestamp"))
             g_rev = labels.get(render.L_REVISION, "")
             if not terminating and g_rev == revision and verify:
-                # Drift (a group scaled by hand, a label removed): put back what we own.
+                # Drift (a group scaled by hand, a label removed, its policy deleted): put back what we own.
                 index = int(labels.get(render.L_INDEX, "0"))
+                self._apply_now(kube, render.group_network_policy(body, revision, index))
                 self._apply_now(kube, render.group_statefulset(body, revision, index, self.cluster_domain))
             if not terminating:
                 self._label_roles(kube, ns, pods)
@@ -396,10 +428,18 @@ class Controller:
             except (ValueError, KeyError):
                 continue
             if (pod["metadata"].get("labels") or {}).get(render.L_ROLE) != role:
+                if ns in self.no_pod_patch:
+                    return
                 try:
                     kube.merge_patch("v1", "Pod", ns, pod["metadata"]["name"],
                                      {"metadata": {"labels": {render.L_ROLE: role}}})
                 except ApiError as e:
+                    if e.status == 403:
+                        # The cluster-wide role grants no pods/patch (least privilege): the label is
+                        # a convenience (selectors use the pod index), so go without it here.
+                        log.info("no pods/patch in namespace %s: pods get no %s label", ns, render.L_ROLE)
+                        self.no_pod_patch.add(ns)
+                        return
                     if e.status != 404:
                         raise
 

@@ -26,6 +26,7 @@ PLURALS = {
     "Event": "events",
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
     "ServiceMonitor": "servicemonitors",
     "PodMonitor": "podmonitors",
     "InferenceDeployment": "inferencedeployments",

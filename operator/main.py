@@ -25,6 +25,7 @@ from shoal.operator import crd, kube, render
 
 RESYNC_SECONDS = float(os.environ.get("SHOAL_OPERATOR_RESYNC_SECONDS", "10"))
 CLUSTER_DOMAIN = os.environ.get("SHOAL_CLUSTER_DOMAIN", "cluster.local")
+ALLOW_POD_SERVICE_ACCOUNT = os.environ.get("SHOAL_OPERATOR_ALLOW_POD_SERVICE_ACCOUNT", "0") == "1"
 
 _controller: controller_mod.Controller | None = None
 
@@ -40,7 +41,8 @@ def _event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
 def get_controller() -> controller_mod.Controller:
     global _controller
     if _controller is None:
-        _controller = controller_mod.Controller(kube.default, events=_event, cluster_domain=CLUSTER_DOMAIN)
+        _controller = controller_mod.Controller(kube.default, events=_event, cluster_domain=CLUSTER_DOMAIN,
+                                                allow_service_account=ALLOW_POD_SERVICE_ACCOUNT)
     return _controller
 
 

@@ -9,6 +9,8 @@ One InferenceDeployment `NAME` owns:
   that workers find their leader (`SHOAL_LEADER_ADDR`) before the group is ready;
 - `NAME`: the traffic Service over the ready leaders (pod index 0), port 8000;
 - `NAME`: a PodDisruptionBudget (one pod, so one group, at a time);
+- per group: a NetworkPolicy `NAME-REV-IDX`: only the group's pods reach its pods but
+  for the HTTP port (created and deleted with the group's StatefulSet);
 - with `monitoring.serviceMonitor`: a ServiceMonitor `NAME` (leaders, via the traffic
   Service) and a PodMonitor `NAME-pods` (every group pod), else scrape annotations.
 
@@ -33,6 +35,10 @@ STARTUP_SECONDS = 1800         # ceiling for loading a model; the probe passes a
 PRESTOP_SLEEP_SECONDS = 5      # lets endpoint removal reach the proxies before SIGTERM
 GRACE_MARGIN_SECONDS = 15
 RUN_AS_USER = 1000
+# readOnlyRootFilesystem: what the runtime writes goes to emptyDirs (torch/Triton caches,
+# HF_HOME under HOME=/home/shoal in the images, temporary files).
+WRITABLE_DIRS = (("tmp", "/tmp"), ("home", "/home/shoal"))
+WRITABLE_DIR_SIZE = "4Gi"
 FIELD_MANAGER = "shoal-operator"
 
 L_DEPLOYMENT = "shoal.dev/deployment"
@@ -275,12 +281,14 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
             "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3,
         },
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}] + model["mounts"]
-                        + list(user.get("volumeMounts") or []),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]
+                        + [{"name": v, "mountPath": path} for v, path in WRITABLE_DIRS]
+                        + model["mounts"] + list(user.get("volumeMounts") or []),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -291,8 +299,9 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
 
     init: list[dict[str, Any]] = []
     for ic in model["init"]:
-        init.append({**ic, "image": container["image"], "securityContext": container["securityContext"],
-                     "resources": {}})
+        mounts = list(ic.get("volumeMounts") or []) + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS]
+        init.append({**ic, "volumeMounts": mounts, "image": container["image"],
+                     "securityContext": container["securityContext"], "resources": {}})
     if par["pipeline"] > 1:
         # Workers join the leader: wait until the leader's rendezvous port answers (rank 0 skips).
         wait = (
@@ -318,7 +327,10 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}}]
+                   + [{"name": v, "emptyDir": {"sizeLimit": WRITABLE_DIR_SIZE}} for v, _ in WRITABLE_DIRS]
                    + model["volumes"] + list(user.get("volumes") or []),
+        # The runtime talks to no Kubernetes API: no token in its pods.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain + GRACE_MARGIN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
@@ -331,6 +343,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     }
     if init:
         pod_spec["initContainers"] = init
+    # serviceAccountName only reaches here where the operator allows it (validate.problems).
     for key in ("nodeSelector", "affinity", "priorityClassName", "runtimeClassName", "schedulerName",
                 "serviceAccountName", "imagePullSecrets", "tolerations", "topologySpreadConstraints"):
         if user.get(key):
@@ -412,6 +425,29 @@ def group_statefulset(body: dict[str, Any], revision: str, index: int,
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": {L_DEPLOYMENT: name, L_GROUP: group}},
             "template": template,
+        },
+    })
+
+
+def group_network_policy(body: dict[str, Any], revision: str, index: int) -> dict[str, Any]:
+    """Only the group's own pods reach its pods, but for the HTTP port (traffic, probes,
+    scraping): the rendezvous store (DIST_PORT) is unauthenticated, and the ranks' gloo/NCCL
+    connections use ports of their own."""
+    name = body["metadata"]["name"]
+    group = group_name(name, revision, index)
+    group_labels = {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}
+    mine = {"matchLabels": {L_DEPLOYMENT: name, L_GROUP: group}}
+    return _stamp({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(body, group, group_labels),
+        "spec": {
+            "podSelector": mine,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": HTTP_PORT}]},
+                {"from": [{"podSelector": mine}]},
+            ],
         },
     })
 
@@ -537,5 +573,7 @@ def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> l
     """Everything the controller creates for a fresh resource (defaults applied first)."""
     body = defaults.apply_defaults(body)
     revision = revision_hash(body)
-    groups = [group_statefulset(body, revision, i, cluster_domain) for i in range(desired_replicas(body))]
+    groups = []
+    for i in range(desired_replicas(body)):
+        groups += [group_network_policy(body, revision, i), group_statefulset(body, revision, i, cluster_domain)]
     return shared_objects(body) + groups

@@ -15,8 +15,12 @@ from shoal.operator import crd, defaults
 _NEGATIVE = re.compile(r"^\s*-")
 
 
-def problems(body: dict[str, Any]) -> list[str]:
-    """Why this (defaulted) resource cannot be rendered; [] when it can."""
+def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[str]:
+    """Why this (defaulted) resource cannot be rendered; [] when it can.
+
+    `allow_service_account`: whether the operator's admin lets users pick their pods'
+    service account (`shoal operator run --allow-pod-service-account`); a cluster-wide
+    choice, so the operator checks it, not the CRD."""
     out: list[str] = []
     name = body["metadata"].get("name") or ""
     if len(name) > crd.MAX_NAME_LENGTH:
@@ -40,6 +44,9 @@ def problems(body: dict[str, Any]) -> list[str]:
         if re.match(crd.RESERVED_FLAG_PATTERN, arg):
             out.append(f"engine.extraArgs {arg!r}: " + crd.RULE_EXTRA_ARGS["message"])
     tpl = spec.get("podTemplate") or {}
+    if tpl.get("serviceAccountName") and not allow_service_account:
+        out.append("podTemplate.serviceAccountName: this operator chooses the pods' service account "
+                   "(its admin can allow it with --allow-pod-service-account)")
     for v in tpl.get("volumes") or []:
         if v.get("name") in crd.RESERVED_VOLUMES:
             out.append(f"podTemplate.volumes {v.get('name')!r}: " + crd.RULE_VOLUMES["message"])

@@ -40,8 +40,8 @@ def test_render_prints_every_object(capsys, tmp_path):
     assert args.func(args) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["PodDisruptionBudget", "PodMonitor", "Service", "Service", "ServiceMonitor",
-                     "StatefulSet", "StatefulSet"]
+    assert kinds == ["NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "PodMonitor", "Service", "Service",
+                     "ServiceMonitor", "StatefulSet", "StatefulSet"]
     sts = [d for d in docs if d["kind"] == "StatefulSet"]
     assert all(s["spec"]["replicas"] == 2 for s in sts)
     assert sts[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2

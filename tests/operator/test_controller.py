@@ -340,3 +340,45 @@ def test_a_crash_looping_group_stays_degraded(world):
             seen.append(next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"])
     assert set(seen) == {"True"}, seen
     assert status(kube)["groups"][0]["recentRestarts"] >= 3
+
+
+def test_without_pods_patch_the_role_label_is_left_off(world):
+    # Issue 19: the ClusterRole grants no pods/patch; the operator must work without it.
+    from shoal.operator.kube import ApiError
+
+    kube, c, *_ = world
+    idf(kube, parallelism={"pipeline": 2})
+    real_patch = kube.merge_patch
+    refused = []
+
+    def patch(api_version, kind, namespace, name, patch, subresource=None):
+        if kind == "Pod":
+            refused.append(name)
+            raise ApiError(403, "pods is forbidden")
+        return real_patch(api_version, kind, namespace, name, patch, subresource)
+    kube.merge_patch = patch
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    c.trigger("default", "demo", scrape=True)
+    assert len(refused) == 1                                   # tried once, then not again
+    assert status(kube)["readyReplicas"] == 1
+    assert not any(p["metadata"]["labels"].get("shoal.dev/role") for p in kube.of_kind("Pod").values())
+
+
+def test_group_network_policies_follow_the_groups(world):
+    kube, c, *_ = world
+    idf(kube, replicas=2)
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("NetworkPolicy")) == sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["replicas"] = 1
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("NetworkPolicy")) == sorted(kube.of_kind("StatefulSet"))
+    # an orphaned policy (say, a delete that failed) goes on the next timer round
+    orphan = dict(next(iter(kube.of_kind("NetworkPolicy").values())))
+    orphan = {**orphan, "metadata": {**orphan["metadata"], "name": "demo-old-9",
+                                     "labels": {**orphan["metadata"]["labels"], "shoal.dev/group": "demo-old-9"}}}
+    kube.put(orphan)
+    c.trigger("default", "demo", scrape=True)
+    assert sorted(kube.of_kind("NetworkPolicy")) == sorted(kube.of_kind("StatefulSet"))

@@ -36,6 +36,7 @@ NS = "default"
 IDF = "/apis/shoal.dev/v1alpha1/namespaces/default/inferencedeployments"
 STS = "/apis/apps/v1/namespaces/default/statefulsets"
 PODS = "/api/v1/namespaces/default/pods"
+NPS = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
 RESOURCES = {
     "shoal.dev/v1alpha1/inferencedeployments": dict(kind="InferenceDeployment", namespaced=True,
                                                     subresources={"status", "scale"},
@@ -45,6 +46,8 @@ RESOURCES = {
     "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
     "v1/services": dict(kind="Service", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
     "v1/events": dict(kind="Event", namespaced=True, verbs={"create", "list"}),
+    "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy", namespaced=True,
+                                                 verbs={"get", "list", "patch", "create", "delete"}),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True,
                                            verbs={"get", "list", "patch", "create", "delete"}),
     "v1/namespaces": dict(kind="Namespace", namespaced=False, verbs={"get", "list", "watch"}),
@@ -269,6 +272,8 @@ async def test_apply_rollout_delete(cluster):
             (ref,) = obj["metadata"]["ownerReferences"]
             assert ref["uid"] == "uid-demo" and ref["kind"] == "InferenceDeployment" and ref["controller"]
         rev1 = stss[0]["metadata"]["labels"][render.L_REVISION]
+        nps = await items(k, NPS)
+        assert sorted(n["metadata"]["name"] for n in nps) == sorted(s["metadata"]["name"] for s in stss)
 
         # The "StatefulSet controller" makes the pods ready; status and conditions follow.
         play = asyncio.create_task(player.run())
@@ -309,6 +314,9 @@ async def test_apply_rollout_delete(cluster):
                         and st.get("readyReplicas") == 2 and cond(st, "Progressing")["reason"] == "RolloutComplete":
                     return obj, stss
             obj, stss = await eventually(rolled_out, timeout=90)
+            # the old groups' NetworkPolicies went with them
+            assert sorted(n["metadata"]["name"] for n in await items(k, NPS)) == \
+                sorted(s["metadata"]["name"] for s in stss)
             assert min(player.ready_groups_seen) >= 2 - 0, player.ready_groups_seen   # replicas - maxUnavailable
             assert max(player.ready_groups_seen) <= 2 + 1, player.ready_groups_seen   # replicas + maxSurge
             assert obj["status"]["revision"] != rev1
@@ -353,7 +361,7 @@ async def test_apply_rollout_delete(cluster):
         collected = await garbage_collect(k, {"uid-demo"})
         assert collected, "the operator's objects must be collectable through ownerReferences"
         for path in (STS, PODS, "/api/v1/namespaces/default/services",
-                     "/apis/policy/v1/namespaces/default/poddisruptionbudgets"):
+                     "/apis/policy/v1/namespaces/default/poddisruptionbudgets", NPS):
             left = [o["metadata"]["name"] for o in await items(k, path)
                     if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "demo"]
             assert left == [], (path, left)
@@ -361,7 +369,8 @@ async def test_apply_rollout_delete(cluster):
 
 async def garbage_collect(k: Any, dead_uids: set[str]) -> list[str]:
     """Plays the garbage collector: delete what an owner that is gone owned, transitively."""
-    paths = [STS, PODS, "/api/v1/namespaces/default/services", "/apis/policy/v1/namespaces/default/poddisruptionbudgets"]
+    paths = [STS, PODS, "/api/v1/namespaces/default/services", "/apis/policy/v1/namespaces/default/poddisruptionbudgets",
+             NPS]
     collected: list[str] = []
     changed = True
     while changed:

@@ -236,3 +236,37 @@ def test_mig_slices_are_accelerators(defaulted):
     assert c["image"] == defaults.DEFAULT_GPU_IMAGE
     assert c["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == 2
     validate_k8s(sts)
+
+
+def test_least_privilege_pods(defaulted):
+    # Issue 19: no API token, a read-only root with writable emptyDirs where the runtime writes.
+    body = defaulted(model={"source": "hf://org/name"})
+    pod = render.pod_template(body, "g")["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod
+    for c in pod["containers"] + pod["initContainers"]:
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for path in ("/tmp", "/home/shoal", "/dev/shm"):
+        assert "emptyDir" in volumes[mounts[path]], path
+    fetch = next(c for c in pod["initContainers"] if c["name"] == "fetch-model")
+    assert {"/tmp", "/models"} <= {m["mountPath"] for m in fetch["volumeMounts"]}
+
+
+def test_a_group_network_policy_guards_the_rendezvous_port(defaulted):
+    body = defaulted(replicas=2, parallelism={"pipeline": 2})
+    objs = render.render_all(body)
+    nps = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    stss = [o for o in objs if o["kind"] == "StatefulSet"]
+    assert sorted(n["metadata"]["name"] for n in nps) == sorted(s["metadata"]["name"] for s in stss)
+    for np_, sts in zip(sorted(nps, key=lambda o: o["metadata"]["name"]),
+                        sorted(stss, key=lambda o: o["metadata"]["name"])):
+        validate_k8s(np_)
+        pods = sts["spec"]["template"]["metadata"]["labels"]
+        sel = np_["spec"]["podSelector"]["matchLabels"]
+        assert sel.items() <= pods.items()
+        http, own = np_["spec"]["ingress"]
+        assert http == {"ports": [{"protocol": "TCP", "port": render.HTTP_PORT}]}      # anyone: HTTP only
+        assert own == {"from": [{"podSelector": {"matchLabels": sel}}]}             # the group: any port
+        assert render.L_GROUP in sel

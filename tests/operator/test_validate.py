@@ -48,3 +48,15 @@ def test_an_invalid_spec_is_reported_and_no_child_is_touched():
     kube.calls.clear()
     c.trigger("default", "demo", scrape=True)            # unchanged: no second write, no second event
     assert [x for x in kube.calls if x[0] != "get"] == [] and len(events) == 1
+
+
+def test_a_service_account_needs_the_admins_leave():
+    body = defaults.apply_defaults(make_body(podTemplate={"serviceAccountName": "cluster-admin-ish"}))
+    assert "serviceAccountName" in validate.problems(body)[0]
+    assert validate.problems(body, allow_service_account=True) == []
+    kube = FakeKube()
+    kube.put(make_body(podTemplate={"serviceAccountName": "reader"}))
+    ctl.Controller(kube, events=lambda *a: None, clock=lambda: 0.0, allow_service_account=True).trigger("default", "demo")
+    (sts,) = kube.of_kind("StatefulSet").values()
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "reader" and pod["automountServiceAccountToken"] is False
