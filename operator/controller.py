@@ -278,7 +278,8 @@ class Controller:
                 desired, auto_state = decision.replicas, decision.state
 
         # 4. The rollout step.
-        plan = rollout.plan(groups, revision, desired, spec["rollout"]["maxSurge"], spec["rollout"]["maxUnavailable"])
+        plan = rollout.plan(groups, revision, desired, spec["rollout"]["maxSurge"], spec["rollout"]["maxUnavailable"],
+                            partition=spec["rollout"]["partition"])
         for index in plan.create:
             sts = render.group_statefulset(body, revision, index, self.cluster_domain)
             self._apply_now(kube, render.group_network_policy(body, revision, index))  # before its pods exist
@@ -409,7 +410,9 @@ class Controller:
                     failing.append(gname)
                     ready = False
                     last = float(ann.get(A_RESTARTED_AT, "0") or 0)
-                    if now - last >= RESTART_COOLDOWN_SECONDS:
+                    if body["spec"]["restartPolicy"] == "None":
+                        pass  # the user's choice: report it (Degraded), leave the pods alone
+                    elif now - last >= RESTART_COOLDOWN_SECONDS:
                         restarts += 1
                         recent = recent_restarts(ann, now) + [int(now)]
                         self._restart_group(kube, body, sts, obs.pods.get(gname, []), reason, restarts, now, recent)

@@ -233,6 +233,27 @@ def spec_schema() -> dict[str, Any]:
         "properties": {
             "maxSurge": _int(1, 0, MAX_REPLICAS, "groups above replicas during a rollout"),
             "maxUnavailable": _int(0, 0, MAX_REPLICAS, "ready groups below replicas during a rollout"),
+            "partition": _int(0, 0, MAX_REPLICAS, "staged rollout: keep up to this many (ready) groups of "
+                                                  "older revisions; lower it to go on (as LeaderWorkerSet's)"),
+        },
+    }
+    placement = {
+        "type": "object",
+        "default": {},
+        "description": "Where a group's pods run.",
+        "properties": {
+            "colocateGroup": {"type": "string", "default": "Preferred", "enum": ["Preferred", "Required", "None"],
+                              "description": "pod affinity of a group's pods to each other within groupTopologyKey"},
+            "groupTopologyKey": {"type": "string", "default": "topology.kubernetes.io/zone", "maxLength": 316,
+                                 "description": "the domain a group's pods share (zone, rack, NVLink domain label)"},
+            "spreadGroups": {"type": "boolean", "default": True,
+                             "description": "spread groups across spreadTopologyKey (pods of the same rank apart)"},
+            "spreadTopologyKey": {"type": "string", "default": "kubernetes.io/hostname", "maxLength": 316},
+            "schedulerName": {"type": "string", "maxLength": 253,
+                              "description": "opt-in scheduler (e.g. a gang scheduler) for every pod"},
+            "gangScheduling": {"type": "string", "default": "None", "enum": ["None", "Kueue"],
+                               "description": "Kueue: label each group as a Kueue pod group of `pipeline` pods "
+                                              "(set kueue.x-k8s.io/queue-name in podTemplate.metadata.labels)"},
         },
     }
     monitoring = {
@@ -288,6 +309,12 @@ def spec_schema() -> dict[str, Any]:
             "autoscaling": autoscaling,
             "rollout": rollout,
             "monitoring": monitoring,
+            "placement": placement,
+            "restartPolicy": {"type": "string", "default": "RecreateGroupOnPodRestart",
+                              "enum": ["RecreateGroupOnPodRestart", "None"],
+                              "description": "RecreateGroupOnPodRestart: a failed pod or restarted container "
+                                             "restarts its whole group (the ranks cannot rejoin a running "
+                                             "group); None: the operator leaves it (reported as Degraded)"},
             "podTemplate": pod_template,
         },
     }

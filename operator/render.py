@@ -20,6 +20,7 @@ owner has a uid, a controller ownerReference to it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import posixpath
@@ -49,6 +50,8 @@ L_INDEX = "shoal.dev/group-index"
 L_POD_INDEX = "apps.kubernetes.io/pod-index"
 A_SPEC_HASH = "shoal.dev/spec-hash"
 A_MODEL_REVISION = "shoal.dev/model-revision"
+L_KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
+A_KUEUE_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 RESERVED_ENV_PREFIX = "SHOAL_"
 
 
@@ -347,13 +350,44 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     for key in ("nodeSelector", "affinity", "priorityClassName", "runtimeClassName", "schedulerName",
                 "serviceAccountName", "imagePullSecrets", "tolerations", "topologySpreadConstraints"):
         if user.get(key):
-            pod_spec[key] = user[key]
+            pod_spec[key] = copy.deepcopy(user[key])
+    # The group's own value where it is known; the revision's template (group=None, what is
+    # hashed) carries a placeholder, so that a placement change is a new revision too.
+    group_value = group if group is not None else "GROUP"
+    place = spec["placement"]
+    affinity = placement_affinity(place, group_value)
+    if affinity:
+        ours = pod_spec.setdefault("affinity", {}).setdefault("podAffinity", {})
+        for kind, terms in affinity.items():
+            ours[kind] = list(ours.get(kind) or []) + terms
+    if place["spreadGroups"]:
+        pod_spec["topologySpreadConstraints"] = list(pod_spec.get("topologySpreadConstraints") or []) + [{
+            # pods of the same pipeline rank apart: so the groups are
+            "maxSkew": 1, "topologyKey": place["spreadTopologyKey"], "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {L_DEPLOYMENT: name}}, "matchLabelKeys": [L_POD_INDEX],
+        }]
+    if place.get("schedulerName"):
+        pod_spec["schedulerName"] = place["schedulerName"]
 
     user_meta = user.get("metadata") or {}
     labels = {**(user_meta.get("labels") or {}), **common_labels(name)}
     annotations = {**(user_meta.get("annotations") or {}), **scrape_annotations(spec),
                    A_MODEL_REVISION: spec["model"].get("revision", "main")}
+    if place["gangScheduling"] == "Kueue":
+        # Kueue's plain pod groups: admitted (and scheduled) all `pipeline` pods or none.
+        labels[L_KUEUE_GROUP] = group_value
+        annotations[A_KUEUE_COUNT] = str(par["pipeline"])
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def placement_affinity(place: dict[str, Any], group: str) -> dict[str, list[dict[str, Any]]]:
+    """Pod affinity that keeps a group's pods within one `groupTopologyKey` domain."""
+    term = {"labelSelector": {"matchLabels": {L_GROUP: group}}, "topologyKey": place["groupTopologyKey"]}
+    if place["colocateGroup"] == "Required":
+        return {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+    if place["colocateGroup"] == "Preferred":
+        return {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}
+    return {}
 
 
 def revision_hash(body: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@
   ready group when any is desired); reasons MinimumGroupsAvailable / MinimumGroupsUnavailable.
 - `Progressing`: True while a rollout or a scale is under way (reasons RolloutInProgress,
   ScalingUp, ScalingDown, WaitingForGroups); False with reason RolloutComplete when every
-  group is ready on the current revision and the count matches.
+  group is ready on the current revision and the count matches, or PartitionReached
+  when `rollout.partition` keeps older groups and the rest is done.
 - `Ready`: True when the resource is done: Available and the rollout complete (every
   desired group ready on the current revision), so `kubectl wait --for=condition=Ready`
   and kstatus-based tools (Flux `wait: true`) wait for the rollout; reasons AllGroupsReady,
@@ -27,7 +28,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shoal.operator.rollout import Group
+from shoal.operator.rollout import Group, kept_by_partition
 
 STABLE_SECONDS = 120            # a restarted group must be ready this long before Degraded clears
 RESTART_WINDOW_SECONDS = 3600   # restarts counted in the message and status.groups[].recentRestarts
@@ -104,16 +105,22 @@ def build(
     floor = max(desired - max_unavailable, 1 if desired > 0 else 0)
     queue = int(round(sum(g.load for g in ready)))
 
+    kept = kept_by_partition(live, revision, desired, spec["rollout"].get("partition", 0))
+    old = [g for g in old if g not in kept]
+    want = desired - len(kept)
     available = len(ready) >= floor
-    complete = not old and len(updated) == desired and len(updated_ready) == desired
-    if complete:
+    complete = not old and len(updated) == want and len(updated_ready) == want
+    if complete and kept:
+        prog = (False, "PartitionReached", f"{want} group(s) ready on revision {revision}, "
+                f"{len(kept)} older group(s) kept by rollout.partition")
+    elif complete:
         prog = (False, "RolloutComplete", f"{desired} group(s) ready on revision {revision}")
     elif old:
         prog = (True, "RolloutInProgress",
                 f"{len(updated_ready)}/{desired} group(s) ready on revision {revision}, {len(old)} old group(s) left")
-    elif len(updated) < desired:
-        prog = (True, "ScalingUp", f"{len(updated)}/{desired} group(s) exist, {len(updated_ready)} ready")
-    elif len(updated) > desired:
+    elif len(updated) < want:
+        prog = (True, "ScalingUp", f"{len(updated)}/{want} group(s) exist, {len(updated_ready)} ready")
+    elif len(updated) > want:
         prog = (True, "ScalingDown", f"{len(updated)} group(s) exist, {desired} desired")
     else:
         prog = (True, "WaitingForGroups", f"{len(updated_ready)}/{desired} group(s) ready")
@@ -124,6 +131,9 @@ def build(
     healing = sorted(n for n, d in restarted.items() if recovering(d.get("lastRestart"), since[n], now))
     if error:
         deg = (True, "ReconcileError", error)
+    elif failing and spec.get("restartPolicy") == "None":
+        deg = (True, "GroupFailing", "failing group(s), not restarted (restartPolicy None): "
+               + ", ".join(sorted(failing)))
     elif failing:
         deg = (True, "GroupFailing", "restarting group(s): " + ", ".join(sorted(failing)))
     elif healing:

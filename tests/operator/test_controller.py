@@ -382,3 +382,38 @@ def test_group_network_policies_follow_the_groups(world):
     kube.put(orphan)
     c.trigger("default", "demo", scrape=True)
     assert sorted(kube.of_kind("NetworkPolicy")) == sorted(kube.of_kind("StatefulSet"))
+
+
+def test_restart_policy_none_leaves_a_failed_group_alone(world):
+    # Issue 19: LeaderWorkerSet's restart policies: RecreateGroupOnPodRestart (default) and None.
+    kube, c, clock, events, _ = world
+    idf(kube, parallelism={"pipeline": 2}, restartPolicy="None")
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    (group,) = kube.of_kind("StatefulSet")
+    kube.objects[("Pod", "default", f"{group}-1")]["status"]["containerStatuses"][0]["restartCount"] = 1
+    c.trigger("default", "demo")
+    assert len(kube.of_kind("Pod")) == 2                       # nothing deleted
+    deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
+    assert deg["status"] == "True" and "restartPolicy None" in deg["message"]
+    assert "GroupRestarted" not in [r for _, r, _ in events]
+
+
+def test_partition_keeps_old_groups_and_says_so(world):
+    kube, c, clock, *_ = world
+    idf(kube, replicas=3, rollout={"partition": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    body = kube.objects[("InferenceDeployment", "default", "demo")]
+    body["spec"]["model"]["revision"] = "v2"
+    body["metadata"]["generation"] = 2
+    for _ in range(6):
+        c.trigger("default", "demo")
+        kube.run_statefulsets()
+    st = status(kube)
+    revs = sorted(g["revision"] for g in st["groups"])
+    assert len(revs) == 3 and revs.count(st["revision"]) == 1, revs
+    conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
+    assert conds["Progressing"] == ("False", "PartitionReached") and conds["Ready"][0] == "True"

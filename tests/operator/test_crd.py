@@ -135,7 +135,9 @@ def test_minimal_resource_gets_the_documented_defaults():
     assert d["engine"]["maxNumSeqs"] == 256 and d["engine"]["schedulingPolicy"] == "fcfs"
     assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["blockSize"] == 16
     assert d["autoscaling"]["targetQueueDepth"] == 32 and d["autoscaling"]["scaleDownStabilizationSeconds"] == 300
-    assert d["rollout"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert d["rollout"] == {"maxSurge": 1, "maxUnavailable": 0, "partition": 0}
+    assert d["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert d["placement"]["colocateGroup"] == "Preferred" and d["placement"]["gangScheduling"] == "None"
     assert d["model"]["revision"] == "main"
     validate_resource(make_body())
 

@@ -270,3 +270,36 @@ def test_a_group_network_policy_guards_the_rendezvous_port(defaulted):
         assert http == {"ports": [{"protocol": "TCP", "port": render.HTTP_PORT}]}      # anyone: HTTP only
         assert own == {"from": [{"podSelector": {"matchLabels": sel}}]}             # the group: any port
         assert render.L_GROUP in sel
+
+
+def test_placement_keeps_a_group_together_and_spreads_groups(defaulted):
+    # Issue 19: pod affinity on the group label, groups spread, an opt-in scheduler and Kueue pod groups.
+    body = defaulted(parallelism={"pipeline": 2}, placement={"colocateGroup": "Required",
+                     "groupTopologyKey": "example.com/rack", "schedulerName": "gang",
+                     "gangScheduling": "Kueue"},
+                     podTemplate={"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                         "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}})
+    rev = render.revision_hash(body)
+    sts = render.group_statefulset(body, rev, 0)
+    validate_k8s(sts)
+    group = sts["metadata"]["name"]
+    tpl = sts["spec"]["template"]
+    pod = tpl["spec"]
+    (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term == {"labelSelector": {"matchLabels": {render.L_GROUP: group}}, "topologyKey": "example.com/rack"}
+    assert "nodeAffinity" in pod["affinity"]                       # the user's affinity is kept
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["matchLabelKeys"] == [render.L_POD_INDEX]
+    assert pod["schedulerName"] == "gang"
+    assert tpl["metadata"]["labels"][render.L_KUEUE_GROUP] == group
+    assert tpl["metadata"]["annotations"][render.A_KUEUE_COUNT] == "2"
+    # defaults: preferred colocation within a zone, and a placement change is a new revision
+    plain = defaulted(parallelism={"pipeline": 2})
+    p = render.group_statefulset(plain, render.revision_hash(plain), 0)["spec"]["template"]["spec"]
+    (pref,) = p["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert "schedulerName" not in p
+    assert render.revision_hash(plain) != rev
+    off = defaulted(placement={"colocateGroup": "None", "spreadGroups": False})
+    p = render.group_statefulset(off, render.revision_hash(off), 0)["spec"]["template"]["spec"]
+    assert "affinity" not in p and "topologySpreadConstraints" not in p
