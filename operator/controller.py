@@ -120,6 +120,15 @@ def group_size(sts: dict[str, Any]) -> int:
     return int((sts.get("spec") or {}).get("replicas") or 0)
 
 
+def pod_failed(pod: Any) -> bool:
+    """A pod whose own state calls for a group restart (failed, a container restarted): the
+    kopf pod watch reacts to it at once, not at the next resync."""
+    try:
+        return failure_reason([pod]) is not None
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 @dataclasses.dataclass
 class Observed:
     statefulsets: dict[str, dict[str, Any]]

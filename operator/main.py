@@ -6,6 +6,8 @@
   the children and advances a rollout even if a watch event was missed);
 - any change of a StatefulSet labelled `shoal.dev/deployment` (its status follows its
   pods' readiness): reconcile its owner, so a rollout advances as soon as a group is ready;
+- a change of a pod labelled `shoal.dev/deployment` that failed or whose container
+  restarted: reconcile its owner, so the group is restarted at once;
 - delete: forget the in-memory state (children go by ownerReferences; optional, so
   this adds no finalizer of its own; the timer makes kopf add one so the timer stops first).
 
@@ -96,6 +98,19 @@ def child_changed(namespace: str, labels: dict[str, str], type: str | None, **_:
         get_controller().trigger(namespace, labels[render.L_DEPLOYMENT])
     except Exception as e:  # the next event or the timer retries
         logging.getLogger("shoal.operator").warning("reconcile after a child change failed: %s", e)
+
+
+# Pods of our groups (server-side label selector), but only those that failed or whose
+# container restarted: a group failure is acted on at once, not at the next resync.
+@kopf.on.event("", "v1", "pods", labels={render.L_DEPLOYMENT: kopf.PRESENT},
+               when=lambda body, **_: controller_mod.pod_failed(body))
+def pod_failed(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
+    if type is None:
+        return  # the initial listing: resume/timers cover it
+    try:
+        get_controller().trigger(namespace, labels[render.L_DEPLOYMENT])
+    except Exception as e:  # the next event or the timer retries
+        logging.getLogger("shoal.operator").warning("reconcile after a pod failure failed: %s", e)
 
 
 @kopf.on.delete(crd.GROUP, crd.VERSION, crd.PLURAL, optional=True)

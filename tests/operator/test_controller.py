@@ -417,3 +417,31 @@ def test_partition_keeps_old_groups_and_says_so(world):
     assert len(revs) == 3 and revs.count(st["revision"]) == 1, revs
     conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
     assert conds["Progressing"] == ("False", "PartitionReached") and conds["Ready"][0] == "True"
+
+
+def test_pod_failed_predicate_for_the_pod_watch():
+    ok = {"metadata": {"name": "g-0"}, "status": {"phase": "Running",
+                                                  "containerStatuses": [{"name": "shoal", "restartCount": 0}]}}
+    assert not ctl.pod_failed(ok)
+    assert ctl.pod_failed({"metadata": {"name": "g-0"}, "status": {"phase": "Failed"}})
+    assert ctl.pod_failed({"metadata": {"name": "g-0"}, "status": {
+        "containerStatuses": [{"name": "shoal", "restartCount": 2}]}})
+    assert not ctl.pod_failed({})
+
+
+def test_the_pod_watch_handler_triggers_the_owner(monkeypatch):
+    from shoal.operator import main
+
+    calls = []
+
+    class Recorder:
+        def trigger(self, namespace, name, scrape=False):
+            calls.append((namespace, name, scrape))
+    monkeypatch.setattr(main, "get_controller", lambda: Recorder())
+    main.pod_failed(namespace="ns", labels={render.L_DEPLOYMENT: "demo"}, type="MODIFIED")
+    main.pod_failed(namespace="ns", labels={render.L_DEPLOYMENT: "demo"}, type=None)   # initial listing
+    assert calls == [("ns", "demo", False)]
+    import kopf
+    registry = kopf.get_default_registry()
+    handlers = [h for h in registry._watching.get_all_handlers() if getattr(h, "id", "").endswith("pod_failed")]
+    assert handlers and handlers[0].when is not None

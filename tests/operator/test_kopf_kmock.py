@@ -43,7 +43,7 @@ RESOURCES = {
                                                     verbs={"get", "list", "watch", "patch", "create", "delete"}),
     "apps/v1/statefulsets": dict(kind="StatefulSet", namespaced=True,
                                  verbs={"get", "list", "watch", "patch", "create", "delete"}),
-    "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
+    "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "patch", "create", "delete"}),
     "v1/services": dict(kind="Service", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
     "v1/events": dict(kind="Event", namespaced=True, verbs={"create", "list"}),
     "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy", namespaced=True,
