@@ -120,6 +120,22 @@ def group_size(sts: dict[str, Any]) -> int:
     return int((sts.get("spec") or {}).get("replicas") or 0)
 
 
+def job_phase(job: dict[str, Any]) -> tuple[str, str]:
+    """(Pending | Fetching | Ready | Failed, message) of a fetch Job."""
+    st = job.get("status") or {}
+    for c in st.get("conditions") or []:
+        if c.get("type") == "Complete" and c.get("status") == "True":
+            return "Ready", "downloaded"
+        if c.get("type") == "Failed" and c.get("status") == "True":
+            return "Failed", f"the fetch Job failed: {c.get('reason', '')} {c.get('message', '')}".strip()
+    if int(st.get("succeeded") or 0) > 0:
+        return "Ready", "downloaded"
+    if int(st.get("active") or 0) > 0:
+        tries = int(st.get("failed") or 0)
+        return "Fetching", "downloading" + (f" (retry {tries})" if tries else "")
+    return "Pending", "waiting for the fetch Job's pod"
+
+
 def pod_failed(pod: Any) -> bool:
     """A pod whose own state calls for a group restart (failed, a container restarted): the
     kopf pod watch reacts to it at once, not at the next resync."""
@@ -255,6 +271,9 @@ class Controller:
                     kube.delete(api_version, kind, ns, mname)
                     self.applied.pop((kind, ns, mname, uid or "", name), None)
 
+        # 1b. The shared model cache: groups of this revision wait until it holds the model.
+        cache = self._model_cache(kube, body, now) if render.uses_model_cache(spec) else None
+
         # 2. What the groups look like.
         obs = self._observe(kube, body)
         if scrape:
@@ -289,6 +308,8 @@ class Controller:
         # 4. The rollout step.
         plan = rollout.plan(groups, revision, desired, spec["rollout"]["maxSurge"], spec["rollout"]["maxUnavailable"],
                             partition=spec["rollout"]["partition"])
+        if cache is not None and cache["phase"] != "Ready":
+            plan.create = []   # nothing to load yet; the old groups keep serving (the floor holds)
         for index in plan.create:
             sts = render.group_statefulset(body, revision, index, self.cluster_domain)
             self._apply_now(kube, render.group_network_policy(body, revision, index))  # before its pods exist
@@ -310,7 +331,7 @@ class Controller:
         # 5. Status.
         new_status = status.build(body=body, groups=groups, group_details=details, revision=revision,
                                   desired=desired, selector=render.selector(name), failing=failing,
-                                  autoscaler=auto_state, now=now,
+                                  autoscaler=auto_state, now=now, model_cache=cache,
                                   url=render.serving_url(name, ns, self.cluster_domain))
         self._write_status(kube, body, new_status)
         metrics.set_groups(ns, name, desired, new_status["readyReplicas"])
@@ -389,6 +410,34 @@ class Controller:
             if group in pods:
                 pods[group].append(pod)
         return Observed(stss, pods)
+
+    def _model_cache(self, kube: Kube, body: dict[str, Any], now: float) -> dict[str, Any]:
+        """The fetch Job of the current (source, revision): create it, follow it, remember success.
+
+        Once status says Ready for this key it is trusted (the Job may be gone); a new
+        revision is a new key, so a new Job and a new directory in the cache."""
+        ns = body["metadata"]["namespace"]
+        key = render.model_cache_key(body["spec"])
+        prev = (body.get("status") or {}).get("modelCache") or {}
+        if prev.get("key") == key and prev.get("phase") == "Ready":
+            return prev
+        job = render.model_fetch_job(body)
+        jname = job["metadata"]["name"]
+        live = self._get_quietly(kube, "batch/v1", "Job", ns, jname)
+        if live is None:
+            self._apply_now(kube, job)
+            return {"phase": "Pending", "key": key, "job": jname, "message": "fetch Job created"}
+        phase, message = job_phase(live)
+        st = live.get("status") or {}
+        out = {"phase": phase, "key": key, "job": jname, "message": message,
+               **({"startTime": st["startTime"]} if st.get("startTime") else {}),
+               **({"completionTime": st["completionTime"]} if st.get("completionTime") else {})}
+        if phase != prev.get("phase") or key != prev.get("key"):
+            if phase == "Ready":
+                self.events(body, "Normal", "ModelFetched", f"{body['spec']['model']['source']} is in the cache")
+            elif phase == "Failed":
+                self.events(body, "Warning", "ModelFetchFailed", message)
+        return out
 
     def _groups(self, kube: Kube, body: dict[str, Any], obs: Observed, revision: str, verify: bool = False):
         ns = body["metadata"]["namespace"]

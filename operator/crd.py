@@ -90,6 +90,10 @@ RULE_SOURCE_PATH = {
     "rule": "!self.source.matches('^(pvc|file)://(.*/)?[.][.](/.*)?$')",
     "message": "model.source: a path may not contain '..'",
 }
+RULE_CACHE_SOURCE = {
+    "rule": "!has(self.cache) || !self.cache.enabled || self.source.startsWith('hf://')",
+    "message": "model.cache is for hf:// sources (the others need no download)",
+}
 RULE_MIN_MAX = {
     "rule": "self.minReplicas <= self.maxReplicas",
     "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
@@ -153,7 +157,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "description": "What to serve.",
         "required": ["source"],
-        "x-kubernetes-validations": [RULE_SOURCE_PATH],
+        "x-kubernetes-validations": [RULE_SOURCE_PATH, RULE_CACHE_SOURCE],
         "properties": {
             "source": {
                 "type": "string",
@@ -175,6 +179,19 @@ def spec_schema() -> dict[str, Any]:
                 },
             },
             "cacheSize": {**_QUANTITY, "description": "size limit of the hf:// download cache (emptyDir)"},
+            "cache": {
+                "type": "object",
+                "description": "hf:// only: a shared cache (a PVC per deployment) that a Job fills once per "
+                               "revision and every pod mounts read-only, instead of a download per pod",
+                "properties": {
+                    "enabled": {"type": "boolean", "default": False},
+                    "size": {**_QUANTITY, "default": "100Gi"},
+                    "storageClassName": {"type": "string", "maxLength": 253},
+                    "accessMode": {"type": "string", "default": "ReadWriteMany",
+                                   "enum": ["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"],
+                                   "description": "ReadWriteMany for groups on several nodes"},
+                },
+            },
         },
     }
     parallelism = {
@@ -365,6 +382,18 @@ def status_schema() -> dict[str, Any]:
                         "readySince": {"type": "string", "format": "date-time"},
                         "terminating": {"type": "boolean"},
                     },
+                },
+            },
+            "modelCache": {
+                "type": "object",
+                "description": "the shared model cache's download (spec.model.cache)",
+                "properties": {
+                    "phase": {"type": "string", "enum": ["Pending", "Fetching", "Ready", "Failed"]},
+                    "key": {"type": "string", "description": "hash of the source and revision it holds"},
+                    "job": {"type": "string"},
+                    "message": {"type": "string"},
+                    "startTime": {"type": "string", "format": "date-time"},
+                    "completionTime": {"type": "string", "format": "date-time"},
                 },
             },
             "autoscaler": {

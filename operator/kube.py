@@ -27,6 +27,8 @@ PLURALS = {
     "StatefulSet": "statefulsets",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Job": "jobs",
     "ServiceMonitor": "servicemonitors",
     "PodMonitor": "podmonitors",
     "InferenceDeployment": "inferencedeployments",

@@ -139,7 +139,43 @@ def canonical_hash(obj: Any, length: int = 16) -> str:
 
 # ---------------------------------------------------------------- model sources
 
-def model_plan(spec: dict[str, Any]) -> dict[str, Any]:
+def model_cache_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
+def model_cache_key(spec: dict[str, Any]) -> str:
+    """What the shared cache must hold: one download per (source, revision)."""
+    return canonical_hash([spec["model"]["source"], spec["model"].get("revision", "main")], length=8)
+
+
+def uses_model_cache(spec: dict[str, Any]) -> bool:
+    return spec["model"]["source"].startswith("hf://") and bool((spec["model"].get("cache") or {}).get("enabled"))
+
+
+def _fetch_env(model: dict[str, Any], repo: str, target: str) -> list[dict[str, Any]]:
+    env = [
+        {"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
+        {"name": "SHOAL_MODEL_REPO", "value": repo},
+        {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
+        {"name": "SHOAL_MODEL_DIR", "value": target},
+    ]
+    secret = model.get("tokenSecret")
+    if secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["name"], "key": secret.get("key", "token")}}})
+    return env
+
+
+FETCH_SCRIPT = (
+    "import os\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
+    " revision=os.environ['SHOAL_MODEL_REVISION'],"
+    " local_dir=os.environ['SHOAL_MODEL_DIR'])\n"
+)
+
+
+def model_plan(spec: dict[str, Any], name: str = "") -> dict[str, Any]:
     """How the pod gets the model: the MODEL argument, volumes, mounts, init containers."""
     model = spec["model"]
     source: str = model["source"]
@@ -151,6 +187,13 @@ def model_plan(spec: dict[str, Any]) -> dict[str, Any]:
         plan["arg"] = posixpath.join(MODEL_MOUNT, path) if path else MODEL_MOUNT
         plan["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         plan["mounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif source.startswith("hf://") and uses_model_cache(spec):
+        # The shared cache: filled once by the fetch Job (one directory per revision), read-only here.
+        repo = source[len("hf://"):]
+        plan["arg"] = posixpath.join(MODEL_MOUNT, repo, model_cache_key(spec))
+        plan["volumes"].append({"name": "model-cache", "persistentVolumeClaim": {
+            "claimName": model_cache_name(name), "readOnly": True}})
+        plan["mounts"].append({"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": True})
     elif source.startswith("hf://"):
         repo = source[len("hf://"):]
         target = posixpath.join(MODEL_MOUNT, repo)
@@ -160,27 +203,10 @@ def model_plan(spec: dict[str, Any]) -> dict[str, Any]:
             cache["sizeLimit"] = model["cacheSize"]
         plan["volumes"].append({"name": "model-cache", "emptyDir": cache})
         plan["mounts"].append({"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": True})
-        env = [
-            {"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
-            {"name": "SHOAL_MODEL_REPO", "value": repo},
-            {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
-            {"name": "SHOAL_MODEL_DIR", "value": target},
-        ]
-        secret = model.get("tokenSecret")
-        if secret:
-            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-                "name": secret["name"], "key": secret.get("key", "token")}}})
-        script = (
-            "import os\n"
-            "from huggingface_hub import snapshot_download\n"
-            "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
-            " revision=os.environ['SHOAL_MODEL_REVISION'],"
-            " local_dir=os.environ['SHOAL_MODEL_DIR'])\n"
-        )
         plan["init"].append({
             "name": "fetch-model",
-            "command": ["python3", "-c", script],
-            "env": env,
+            "command": ["python3", "-c", FETCH_SCRIPT],
+            "env": _fetch_env(model, repo, target),
             "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT}],
         })
     return plan
@@ -238,7 +264,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     namespace = body["metadata"].get("namespace") or "default"
     par = spec["parallelism"]
     user = spec.get("podTemplate") or {}
-    model = model_plan(spec)
+    model = model_plan(spec, name)
 
     env: list[dict[str, Any]] = [
         {"name": "SHOAL_PIPELINE_RANK", "valueFrom": {"fieldRef": {
@@ -486,6 +512,62 @@ def group_network_policy(body: dict[str, Any], revision: str, index: int) -> dic
     })
 
 
+def model_cache_pvc(body: dict[str, Any]) -> dict[str, Any]:
+    """The deployment's shared model cache (spec.model.cache): every group mounts it read-only."""
+    name = body["metadata"]["name"]
+    cache = body["spec"]["model"]["cache"]
+    spec: dict[str, Any] = {"accessModes": [cache["accessMode"]],
+                            "resources": {"requests": {"storage": cache["size"]}}}
+    if cache.get("storageClassName"):
+        spec["storageClassName"] = cache["storageClassName"]
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(body, model_cache_name(name), {"shoal.dev/model-cache": "true"}),
+        "spec": spec,
+    })
+
+
+def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
+    """The Job that downloads the current (source, revision) into the shared cache, once."""
+    name, spec = body["metadata"]["name"], body["spec"]
+    key = model_cache_key(spec)
+    repo = spec["model"]["source"][len("hf://"):]
+    tpl = pod_template(body, None)["spec"]
+    user = spec.get("podTemplate") or {}
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": tpl["securityContext"],
+        "enableServiceLinks": False,
+        "containers": [{
+            "name": "fetch-model",
+            "image": defaults.image_for(spec),
+            "command": ["python3", "-c", FETCH_SCRIPT],
+            "env": _fetch_env(spec["model"], repo, posixpath.join(MODEL_MOUNT, repo, key)),
+            "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT}]
+                            + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS],
+            "securityContext": tpl["containers"][0]["securityContext"],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }],
+        "volumes": [{"name": "model-cache", "persistentVolumeClaim": {"claimName": model_cache_name(name)}}]
+                   + [{"name": v, "emptyDir": {"sizeLimit": WRITABLE_DIR_SIZE}} for v, _ in WRITABLE_DIRS],
+    }
+    for key_ in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName"):
+        if user.get(key_):
+            pod[key_] = copy.deepcopy(user[key_])
+    labels = {"shoal.dev/model-cache": "true", "shoal.dev/model-key": key}
+    return _stamp({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(body, f"{name}-fetch-{key}", labels),
+        "spec": {
+            "backoffLimit": 4,
+            "template": {"metadata": {"labels": {**common_labels(name), **labels}}, "spec": pod},
+        },
+    })
+
+
 def headless_service(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return _stamp({
@@ -578,6 +660,8 @@ def pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
 def shared_objects(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The objects that do not depend on groups (Services, PDB, monitors)."""
     objs = [headless_service(body), traffic_service(body), pod_disruption_budget(body)]
+    if uses_model_cache(body["spec"]):
+        objs.append(model_cache_pvc(body))
     if body["spec"]["monitoring"]["serviceMonitor"]:
         objs += [service_monitor(body), pod_monitor(body)]
     return objs
@@ -610,4 +694,5 @@ def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> l
     groups = []
     for i in range(desired_replicas(body)):
         groups += [group_network_policy(body, revision, i), group_statefulset(body, revision, i, cluster_domain)]
-    return shared_objects(body) + groups
+    fetch = [model_fetch_job(body)] if uses_model_cache(body["spec"]) else []
+    return shared_objects(body) + fetch + groups

@@ -91,6 +91,7 @@ def build(
     autoscaler: Mapping[str, Any] | None = None,
     now: float,
     url: str | None = None,
+    model_cache: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     spec = body["spec"]
     prev = body.get("status") or {}
@@ -115,6 +116,9 @@ def build(
                 f"{len(kept)} older group(s) kept by rollout.partition")
     elif complete:
         prog = (False, "RolloutComplete", f"{desired} group(s) ready on revision {revision}")
+    elif model_cache and model_cache.get("phase") != "Ready" and len(updated) < want:
+        prog = (True, "FetchingModel", f"the model cache is {model_cache.get('phase')}: "
+                f"{model_cache.get('message', '')} (Job {model_cache.get('job')})")
     elif old:
         prog = (True, "RolloutInProgress",
                 f"{len(updated_ready)}/{desired} group(s) ready on revision {revision}, {len(old)} old group(s) left")
@@ -131,6 +135,8 @@ def build(
     healing = sorted(n for n, d in restarted.items() if recovering(d.get("lastRestart"), since[n], now))
     if error:
         deg = (True, "ReconcileError", error)
+    elif model_cache and model_cache.get("phase") == "Failed":
+        deg = (True, "ModelFetchFailed", str(model_cache.get("message", "")))
     elif failing and spec.get("restartPolicy") == "None":
         deg = (True, "GroupFailing", "failing group(s), not restarted (restartPolicy None): "
                + ", ".join(sorted(failing)))
@@ -192,6 +198,8 @@ def build(
         status["observedGeneration"] = generation
     if autoscaler is not None:
         status["autoscaler"] = dict(autoscaler)
+    if model_cache is not None:
+        status["modelCache"] = dict(model_cache)
     return status
 
 

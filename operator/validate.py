@@ -40,6 +40,10 @@ def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[
         out.append("model.cacheSize is negative")
     if re.match(r"^(pvc|file)://(.*/)?[.][.](/.*)?$", spec["model"]["source"]):
         out.append(crd.RULE_SOURCE_PATH["message"])
+    if (spec["model"].get("cache") or {}).get("enabled") and not spec["model"]["source"].startswith("hf://"):
+        out.append(crd.RULE_CACHE_SOURCE["message"])
+    if _NEGATIVE.match(str((spec["model"].get("cache") or {}).get("size", ""))):
+        out.append("model.cache.size is negative")
     for arg in spec["engine"].get("extraArgs") or []:
         if re.match(crd.RESERVED_FLAG_PATTERN, arg):
             out.append(f"engine.extraArgs {arg!r}: " + crd.RULE_EXTRA_ARGS["message"])

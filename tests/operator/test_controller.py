@@ -445,3 +445,39 @@ def test_the_pod_watch_handler_triggers_the_owner(monkeypatch):
     registry = kopf.get_default_registry()
     handlers = [h for h in registry._watching.get_all_handlers() if getattr(h, "id", "").endswith("pod_failed")]
     assert handlers and handlers[0].when is not None
+
+
+def test_the_model_cache_is_filled_once_before_groups_start(world):
+    kube, c, clock, events, _ = world
+    idf(kube, model={"source": "hf://org/name", "cache": {"enabled": True}}, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    (job,) = kube.of_kind("Job")
+    assert "demo-model-cache" in kube.of_kind("PersistentVolumeClaim")
+    assert kube.of_kind("StatefulSet") == {}                    # nothing to load yet
+    st = status(kube)
+    assert st["modelCache"]["phase"] == "Pending"
+    assert next(x for x in st["conditions"] if x["type"] == "Progressing")["reason"] == "FetchingModel"
+    kube.objects[("Job", "default", job)]["status"] = {"active": 1, "startTime": "2026-12-04T10:00:00Z"}
+    c.trigger("default", "demo")
+    assert status(kube)["modelCache"]["phase"] == "Fetching" and kube.of_kind("StatefulSet") == {}
+    kube.objects[("Job", "default", job)]["status"] = {"succeeded": 1, "conditions": [
+        {"type": "Complete", "status": "True"}], "completionTime": "2026-12-04T10:05:00Z"}
+    c.trigger("default", "demo")
+    assert status(kube)["modelCache"]["phase"] == "Ready" and len(kube.of_kind("StatefulSet")) == 1
+    assert "ModelFetched" in [r for _, r, _ in events]
+    del kube.objects[("Job", "default", job)]                   # gone (TTL, by hand): Ready is remembered
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    assert kube.of_kind("Job") == {} and status(kube)["readyReplicas"] == 1
+    # a new revision: a new Job; the old group serves until the new one is fetched and ready
+    body = kube.objects[("InferenceDeployment", "default", "demo")]
+    body["spec"]["model"]["revision"] = "v2"
+    c.trigger("default", "demo")
+    (job2,) = kube.of_kind("Job")
+    assert job2 != job and len(kube.of_kind("StatefulSet")) == 1
+    kube.objects[("Job", "default", job2)]["status"] = {"failed": 5, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}
+    c.trigger("default", "demo")
+    deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "ModelFetchFailed"
+    assert status(kube)["readyReplicas"] == 1                   # still serving the old revision

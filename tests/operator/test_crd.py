@@ -176,6 +176,8 @@ BAD = {
     "pvc .. end": {"model": {"source": "pvc://models/a/.."}},
     "interval 0s": {"monitoring": {"interval": "0s"}},
     "interval 00m": {"monitoring": {"interval": "00m"}},
+    "pvc with a model cache": {"model": {"source": "pvc://models/x", "cache": {"enabled": True}}},
+    "negative cache size": {"model": {"source": "hf://org/m", "cache": {"enabled": True, "size": "-1Gi"}}},
 }
 
 GOOD = {
@@ -190,6 +192,7 @@ GOOD = {
     "pvc dotted names": {"model": {"source": "pvc://models/llama..v2/a.b"}},
     "interval 10s": {"monitoring": {"interval": "10s"}},
     "cacheSize": {"model": {"source": "hf://org/m", "cacheSize": "20Gi"}},
+    "model cache": {"model": {"source": "hf://org/m", "cache": {"enabled": True, "accessMode": "ReadWriteOnce"}}},
 }
 
 

@@ -87,7 +87,9 @@ def test_namespaced_variant_has_no_cluster_wide_verbs():
 def enough_and_least(rules):
     plurals = {"StatefulSet": "statefulsets", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
                "ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors", "NetworkPolicy": "networkpolicies"}
-    for obj in render.render_all(make_body(monitoring={"serviceMonitor": True})):
+    plurals.update(PersistentVolumeClaim="persistentvolumeclaims", Job="jobs")
+    for obj in render.render_all(make_body(monitoring={"serviceMonitor": True},
+                                           model={"source": "hf://org/m", "cache": {"enabled": True}})):
         group = obj["apiVersion"].rpartition("/")[0]
         for verb in ("get", "create", "patch"):  # server-side apply of a new object needs create
             assert allowed(rules, group, plurals[obj["kind"]], verb), (obj["kind"], verb)

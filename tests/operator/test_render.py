@@ -46,6 +46,9 @@ SPECS = {
         "nodeSelector": {"pool": "gpu"}, "env": [{"name": "X", "value": "1"}, {"name": "SHOAL_GROUP", "value": "no"}],
         "tolerations": [{"key": "gpu", "operator": "Exists"}], "metadata": {"labels": {"team": "a"}}}},
     "file": {"model": {"source": "file:///opt/models/tiny"}},
+    "hf-cache": {"model": {"source": "hf://org/name", "revision": "v2", "tokenSecret": {"name": "hf"},
+                           "cache": {"enabled": True, "size": "40Gi", "storageClassName": "nfs"}},
+                 "parallelism": {"pipeline": 2}, "podTemplate": {"nodeSelector": {"pool": "gpu"}}},
 }
 
 
@@ -303,3 +306,31 @@ def test_placement_keeps_a_group_together_and_spreads_groups(defaulted):
     off = defaulted(placement={"colocateGroup": "None", "spreadGroups": False})
     p = render.group_statefulset(off, render.revision_hash(off), 0)["spec"]["template"]["spec"]
     assert "affinity" not in p and "topologySpreadConstraints" not in p
+
+
+def test_the_shared_model_cache(defaulted):
+    # Issue 19: one PVC per deployment, filled once per revision by a Job, mounted read-only.
+    body = defaulted(**SPECS["hf-cache"])
+    objs = render.render_all(body)
+    (pvc,) = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    (job,) = [o for o in objs if o["kind"] == "Job"]
+    assert pvc["metadata"]["name"] == "demo-model-cache"
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "40Gi"}},
+                           "storageClassName": "nfs"}
+    key = render.model_cache_key(body["spec"])
+    assert job["metadata"]["name"] == f"demo-fetch-{key}"
+    jpod = job["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in jpod["containers"][0]["env"]}
+    assert env["SHOAL_MODEL_DIR"]["value"] == f"/models/org/name/{key}" and "HF_TOKEN" in env
+    assert jpod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "demo-model-cache"}
+    assert jpod["nodeSelector"] == {"pool": "gpu"}
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert "initContainers" not in pod or all(c["name"] != "fetch-model" for c in pod["initContainers"])
+    vol = next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert vol["persistentVolumeClaim"] == {"claimName": "demo-model-cache", "readOnly": True}
+    args = pod["containers"][0]["args"]
+    assert args[1] == f"/models/org/name/{key}"
+    # another revision: another key, so another Job and directory
+    other = defaulted(**{**SPECS["hf-cache"], "model": {**SPECS["hf-cache"]["model"], "revision": "v3"}})
+    assert render.model_cache_key(other["spec"]) != key
