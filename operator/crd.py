@@ -70,7 +70,8 @@ RULE_EXTRA_ARGS = {
     "message": "engine.extraArgs may not set --port, --host or the parallel sizes (the operator sets them "
                "from the spec)",
 }
-RESERVED_VOLUMES = ("dshm", "model", "model-cache")
+RESERVED_VOLUMES = ("dshm", "model", "model-cache", "tmp", "home")   # render.py's volumes
+RESERVED_MOUNTS = ("/tmp", "/home/shoal", "/models")                 # and mounts, besides /dev/shm
 RULE_VOLUMES = {
     "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in "
             + "[" + ", ".join(f"'{v}'" for v in RESERVED_VOLUMES) + "]))",
@@ -80,6 +81,11 @@ RULE_SHM_MOUNT = {
     "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, m.mountPath != '/dev/shm' "
             "&& !m.mountPath.startsWith('/dev/shm/'))",
     "message": "podTemplate.volumeMounts: /dev/shm is mounted by the operator (sized by parallelism.tensor)",
+}
+RULE_MOUNTS = {
+    "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in "
+            + "[" + ", ".join(f"'{p}'" for p in RESERVED_MOUNTS) + "]))",
+    "message": "podTemplate.volumeMounts: " + ", ".join(RESERVED_MOUNTS) + " are mounted by the operator",
 }
 RESERVED_ENV_PREFIX = "SHOAL_"
 RULE_ENV = {
@@ -289,7 +295,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "default": {},
         "description": "Merged into every pod of every group.",
-        "x-kubernetes-validations": [RULE_VOLUMES, RULE_SHM_MOUNT, RULE_ENV],
+        "x-kubernetes-validations": [RULE_VOLUMES, RULE_SHM_MOUNT, RULE_MOUNTS, RULE_ENV],
         "properties": {
             "metadata": {
                 "type": "object",

@@ -58,6 +58,8 @@ def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[
         path = str(m.get("mountPath", "")).rstrip("/")
         if path == "/dev/shm" or path.startswith("/dev/shm/"):
             out.append(crd.RULE_SHM_MOUNT["message"])
+        if path in crd.RESERVED_MOUNTS:
+            out.append(crd.RULE_MOUNTS["message"])
     for e in tpl.get("env") or []:
         if str(e.get("name", "")).startswith(crd.RESERVED_ENV_PREFIX):
             out.append(f"podTemplate.env {e.get('name')}: " + crd.RULE_ENV["message"])

@@ -176,6 +176,9 @@ BAD = {
     "pvc .. end": {"model": {"source": "pvc://models/a/.."}},
     "interval 0s": {"monitoring": {"interval": "0s"}},
     "interval 00m": {"monitoring": {"interval": "00m"}},
+    "volume tmp": {"podTemplate": {"volumes": [{"name": "tmp", "emptyDir": {}}]}},
+    "second /tmp": {"podTemplate": {"volumes": [{"name": "t", "emptyDir": {}}],
+                                    "volumeMounts": [{"name": "t", "mountPath": "/tmp"}]}},
     "pvc with a model cache": {"model": {"source": "pvc://models/x", "cache": {"enabled": True}}},
     "negative cache size": {"model": {"source": "hf://org/m", "cache": {"enabled": True, "size": "-1Gi"}}},
 }
