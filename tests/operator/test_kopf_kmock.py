@@ -346,6 +346,15 @@ async def test_apply_rollout_delete(cluster):
             reasons = [r.data.get("reason") for r in list(k)
                        if r.method == "POST" and r.resource is not None and r.resource.plural == "events"]
             assert "ScaledUp" in reasons
+
+            # Issue 19, defect 6: a steady load writes no status (the resourceVersion stood still).
+            async def settled():
+                a = await get(k, f"{IDF}/demo")
+                await asyncio.sleep(2.0)   # four resync rounds
+                b = await get(k, f"{IDF}/demo")
+                return a["status"] == b["status"] and b
+            obj = await eventually(settled, timeout=30)
+            assert all(isinstance(r["time"], str) for r in obj["status"]["autoscaler"]["recommendations"])
         finally:
             player.stop = True
             await play
