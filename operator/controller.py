@@ -26,6 +26,7 @@ MAX_RERUNS = 2
 LONE_POD_SPREAD_SECONDS = 60
 A_RESTARTS = "shoal.dev/restarts"
 A_RESTARTED_AT = "shoal.dev/restarted-at"
+OPTIONAL_STATUS = ("autoscaler", "modelCache")  # present only while their feature is on
 A_RESTART_TIMES = "shoal.dev/recent-restarts"   # epoch seconds within status.RESTART_WINDOW_SECONDS
 
 
@@ -533,11 +534,10 @@ class Controller:
 
     def _write_status(self, kube: Kube, body: dict[str, Any], new: dict[str, Any]) -> None:
         old = body.get("status") or {}
-        if status.same({k: old.get(k) for k in new}, new) and ("autoscaler" in new or "autoscaler" not in old):
+        dropped = [k for k in OPTIONAL_STATUS if k in old and k not in new]   # switched off: remove
+        if status.same({k: old.get(k) for k in new}, new) and not dropped:
             return
-        patch = dict(new)
-        if "autoscaler" not in new and "autoscaler" in old:
-            patch["autoscaler"] = None
+        patch = {**new, **{k: None for k in dropped}}
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         kube.merge_patch(crd.API_VERSION, crd.KIND, ns, name, {"status": patch}, subresource="status")
 

@@ -481,3 +481,13 @@ def test_the_model_cache_is_filled_once_before_groups_start(world):
     deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
     assert deg["status"] == "True" and deg["reason"] == "ModelFetchFailed"
     assert status(kube)["readyReplicas"] == 1                   # still serving the old revision
+
+
+def test_switching_the_model_cache_off_removes_its_status(world):
+    kube, c, *_ = world
+    idf(kube, model={"source": "hf://org/name", "cache": {"enabled": True}})
+    c.trigger("default", "demo")
+    assert "modelCache" in status(kube)
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["model"]["cache"]["enabled"] = False
+    c.trigger("default", "demo")
+    assert "modelCache" not in status(kube) and len(kube.of_kind("StatefulSet")) == 1
