@@ -139,8 +139,11 @@ def _named_list(description: str, *more: str) -> dict[str, Any]:
     """A list of core/v1 objects: the keys the CEL rules read are declared (and required),
     the rest is the API server's to check when the group's StatefulSet is created."""
     keys = ("name",) + more
-    item = {**_free_object(), "required": list(keys), "properties": {k: {"type": "string"} for k in keys}}
-    return {"type": "array", "description": description, "items": item}
+    # Bounded (maxItems, maxLength) so the API server's CEL cost estimate of the rules stays
+    # within its budget (an unbounded list of unbounded strings is refused at CRD install).
+    item = {**_free_object(), "required": list(keys),
+            "properties": {k: {"type": "string", "maxLength": 253 if k == "name" else 1024} for k in keys}}
+    return {"type": "array", "description": description, "maxItems": 128, "items": item}
 
 
 def _free_list(description: str = "") -> dict[str, Any]:
@@ -222,7 +225,7 @@ def spec_schema() -> dict[str, Any]:
             "enablePrefixCaching": {"type": "boolean", "default": True},
             "schedulingPolicy": {"type": "string", "default": "fcfs", "enum": ["fcfs", "priority"]},
             "drainTimeoutSeconds": _int(60, 0, 3600, "how long in-flight requests may finish on SIGTERM"),
-            "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+            "extraArgs": {"type": "array", "items": {"type": "string", "maxLength": 1024}, "maxItems": 64,
                           "description": "further `shoal serve` flags, appended verbatim"},
         },
     }
@@ -231,8 +234,8 @@ def spec_schema() -> dict[str, Any]:
         "description": "Per-pod resources. Naming an accelerator (e.g. nvidia.com/gpu) sets its "
                        "limit to parallelism.tensor.",
         "properties": {
-            "requests": {"type": "object", "additionalProperties": _QUANTITY},
-            "limits": {"type": "object", "additionalProperties": _QUANTITY},
+            "requests": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},
+            "limits": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},
         },
     }
     autoscaling = {
