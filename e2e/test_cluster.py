@@ -236,3 +236,28 @@ def test_drift_is_repaired_and_a_fresh_resource_keeps_its_groups(installed):
     wait_for("the drift to be repaired", repaired, timeout=120)
     kubectl(kc, "-n", NS, "delete", "infd", "drift", "--wait=true", "--timeout=300s", timeout=320)
 
+
+
+def test_partition_stages_a_rollout(installed):
+    kc = installed
+    kubectl(kc, "apply", "-f", "-", input=yaml.safe_dump(with_spec("canary", replicas=2, rollout={"partition": 1})))
+    kubectl(kc, "-n", NS, "wait", "--for=condition=Ready", "infd/canary", f"--timeout={int(TIMEOUT)}s",
+            timeout=TIMEOUT + 10)
+    kubectl(kc, "-n", NS, "patch", "infd", "canary", "--type=merge", "-p",
+            json.dumps({"spec": {"model": {"revision": "canary-2"}}}))
+
+    def staged():
+        o = json.loads(kubectl(kc, "-n", NS, "get", "infd", "canary", "-o", "json"))
+        st = o.get("status") or {}
+        revs = [g["revision"] for g in st.get("groups") or [] if not g.get("terminating")]
+        return (st.get("observedGeneration") == o["metadata"]["generation"]
+                and condition(o, "Progressing").get("reason") == "PartitionReached"
+                and sorted(r == st["revision"] for r in revs) == [False, True] and o)
+    wait_for("one canary group beside one old group", staged)
+    kubectl(kc, "-n", NS, "patch", "infd", "canary", "--type=merge", "-p",
+            json.dumps({"spec": {"rollout": {"partition": 0}}}))
+    kubectl(kc, "-n", NS, "wait", "--for=condition=Ready", "infd/canary", f"--timeout={int(TIMEOUT)}s",
+            timeout=TIMEOUT + 10)
+    o = json.loads(kubectl(kc, "-n", NS, "get", "infd", "canary", "-o", "json"))
+    assert condition(o, "Progressing")["reason"] == "RolloutComplete"
+    kubectl(kc, "-n", NS, "delete", "infd", "canary", "--wait=true", "--timeout=300s", timeout=320)
