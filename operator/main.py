@@ -70,6 +70,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Scanning notices CRDs and namespaces appearing later; off only where the API cannot list
     # namespaces (e.g. the KMock emulator in tests/operator).
     settings.scanning.disabled = os.environ.get("SHOAL_OPERATOR_SCANNING", "1") == "0"
+    # kopf filters handler labels client-side: without these the pod and StatefulSet watches
+    # would stream every pod and StatefulSet of the watched namespaces. Only ours, server-side.
+    settings.watching.label_selectors["v1", "pods"] = render.L_DEPLOYMENT
+    settings.watching.label_selectors["apps", "statefulsets"] = render.L_DEPLOYMENT
     get_controller()
 
 
@@ -100,7 +104,7 @@ def child_changed(namespace: str, labels: dict[str, str], type: str | None, **_:
         logging.getLogger("shoal.operator").warning("reconcile after a child change failed: %s", e)
 
 
-# Pods of our groups (server-side label selector), but only those that failed or whose
+# Pods of our groups (server-side label selector, see configure), only those that failed or whose
 # container restarted: a group failure is acted on at once, not at the next resync.
 @kopf.on.event("", "v1", "pods", labels={render.L_DEPLOYMENT: kopf.PRESENT},
                when=lambda body, **_: controller_mod.pod_failed(body))

@@ -491,3 +491,19 @@ def test_switching_the_model_cache_off_removes_its_status(world):
     kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["model"]["cache"]["enabled"] = False
     c.trigger("default", "demo")
     assert "modelCache" not in status(kube) and len(kube.of_kind("StatefulSet")) == 1
+
+
+def test_pod_and_statefulset_watches_select_server_side(monkeypatch):
+    # kopf filters handler labels client-side: the watches themselves must carry the selector,
+    # or the operator would stream every pod of the cluster.
+    import kopf
+
+    from shoal.operator import main
+
+    monkeypatch.setattr(main, "_controller", None)
+    settings = kopf.OperatorSettings()
+    main.configure(settings=settings)
+    sel = settings.watching.label_selectors
+    assert list(sel.collect(kopf.Resource("", "v1", "pods"))) == [render.L_DEPLOYMENT]
+    assert list(sel.collect(kopf.Resource("apps", "v1", "statefulsets"))) == [render.L_DEPLOYMENT]
+    assert list(sel.collect(kopf.Resource("shoal.dev", "v1alpha1", "inferencedeployments"))) == []
