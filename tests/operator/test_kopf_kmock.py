@@ -299,6 +299,16 @@ async def test_apply_rollout_delete(cluster):
             assert all((p["metadata"]["labels"][render.L_ROLE] == "leader")
                        == (p["metadata"]["labels"][render.L_POD_INDEX] == "0") for p in pods)
 
+            # Issue 19, defect 2: a group scaled by hand is put back by the next resync.
+            victim = stss[0]["metadata"]["name"]
+            async with k.patch(f"{STS}/{victim}", json={"spec": {"replicas": 1}}) as resp:
+                assert resp.status == 200
+
+            async def repaired():
+                sts = await get(k, f"{STS}/{victim}")
+                return sts["spec"]["replicas"] == 2
+            await eventually(repaired, timeout=20)
+
             # A new model revision: rolled out group by group (maxSurge 1, maxUnavailable 0).
             player.ready_groups_seen.clear()
             patch = {"metadata": {"generation": 2}, "spec": {"model": {"revision": "v2"}}}
