@@ -278,12 +278,12 @@ class Controller:
         # 2. What the groups look like.
         obs = self._observe(kube, body)
         if scrape:
-            # Policies of groups that are gone (a delete that failed half-way, an operator restart).
-            for np_ in self._list_quietly(kube, "networking.k8s.io/v1", "NetworkPolicy", ns,
-                                          render.selector_labels(name)):
-                group = (np_["metadata"].get("labels") or {}).get(render.L_GROUP)
-                if group and group not in obs.statefulsets and owned_by(np_, uid):
-                    self._delete_quietly(kube, "networking.k8s.io/v1", "NetworkPolicy", ns, np_["metadata"]["name"])
+            # Companions of groups that are gone (a delete that failed half-way, an operator restart).
+            for api_version, kind in render.COMPANION_KINDS:
+                for obj in self._list_quietly(kube, api_version, kind, ns, render.selector_labels(name)):
+                    group = (obj["metadata"].get("labels") or {}).get(render.L_GROUP)
+                    if group and group not in obs.statefulsets and owned_by(obj, uid):
+                        self._delete_quietly(kube, api_version, kind, ns, obj["metadata"]["name"])
         groups, details, failing = self._groups(kube, body, obs, revision, verify=scrape)
 
         # 3. Queue depth (timer rounds only) and the autoscaler.
@@ -313,7 +313,8 @@ class Controller:
             plan.create = []   # nothing to load yet; the old groups keep serving (the floor holds)
         for index in plan.create:
             sts = render.group_statefulset(body, revision, index, self.cluster_domain)
-            self._apply_now(kube, render.group_network_policy(body, revision, index))  # before its pods exist
+            for companion in render.group_companions(body, revision, index):   # before its pods exist
+                self._apply_now(kube, companion)
             self._apply_now(kube, sts)
             groups.append(rollout.Group(sts["metadata"]["name"], revision, index, ready=False))
             self.events(body, "Normal", "GroupCreated",
@@ -321,9 +322,10 @@ class Controller:
         doomed = set(plan.delete)
         for gname in plan.delete:
             kube.delete("apps/v1", "StatefulSet", ns, gname, propagation="Foreground")
-            # The group's policy goes with it; its pods still drain among themselves (their
+            # Its policy (and PodGroup) go with it; its pods still drain among themselves (their
             # connections exist already, and no new peer needs the rendezvous port).
-            self._delete_quietly(kube, "networking.k8s.io/v1", "NetworkPolicy", ns, gname)
+            for api_version, kind in render.COMPANION_KINDS:
+                self._delete_quietly(kube, api_version, kind, ns, gname)
             g = next(g for g in groups if g.name == gname)
             why = "old revision" if g.revision != revision else "scale down"
             self.events(body, "Normal", "GroupDeleted", f"deleted group {gname} ({why}); its pods drain")
@@ -460,7 +462,8 @@ class Controller:
             if not terminating and g_rev == revision and verify:
                 # Drift (a group scaled by hand, a label removed, its policy deleted): put back what we own.
                 index = int(labels.get(render.L_INDEX, "0"))
-                self._apply_now(kube, render.group_network_policy(body, revision, index))
+                for companion in render.group_companions(body, revision, index):
+                    self._apply_now(kube, companion)
                 self._apply_now(kube, render.group_statefulset(body, revision, index, self.cluster_domain))
             if not terminating:
                 self._label_roles(kube, ns, pods)

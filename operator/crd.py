@@ -277,9 +277,11 @@ def spec_schema() -> dict[str, Any]:
             "spreadTopologyKey": {"type": "string", "default": "kubernetes.io/hostname", "maxLength": 316},
             "schedulerName": {"type": "string", "maxLength": 253,
                               "description": "opt-in scheduler (e.g. a gang scheduler) for every pod"},
-            "gangScheduling": {"type": "string", "default": "None", "enum": ["None", "Kueue"],
+            "gangScheduling": {"type": "string", "default": "None", "enum": ["None", "Kueue", "Volcano"],
                                "description": "Kueue: label each group as a Kueue pod group of `pipeline` pods "
-                                              "(set kueue.x-k8s.io/queue-name in podTemplate.metadata.labels)"},
+                                              "(set kueue.x-k8s.io/queue-name in podTemplate.metadata.labels); "
+                                              "Volcano: a PodGroup per group (minMember `pipeline`), "
+                                              "schedulerName volcano unless set"},
         },
     }
     monitoring = {

@@ -29,6 +29,7 @@ PLURALS = {
     "NetworkPolicy": "networkpolicies",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Job": "jobs",
+    "PodGroup": "podgroups",
     "ServiceMonitor": "servicemonitors",
     "PodMonitor": "podmonitors",
     "InferenceDeployment": "inferencedeployments",

@@ -10,7 +10,8 @@ One InferenceDeployment `NAME` owns:
 - `NAME`: the traffic Service over the ready leaders (pod index 0), port 8000;
 - `NAME`: a PodDisruptionBudget (one pod, so one group, at a time);
 - per group: a NetworkPolicy `NAME-REV-IDX`: only the group's pods reach its pods but
-  for the HTTP port (created and deleted with the group's StatefulSet);
+  for the HTTP port, and with Volcano gang scheduling a PodGroup `NAME-REV-IDX` (both
+  created before the group's StatefulSet and deleted with it);
 - with `monitoring.serviceMonitor`: a ServiceMonitor `NAME` (leaders, via the traffic
   Service) and a PodMonitor `NAME-pods` (every group pod), else scrape annotations.
 
@@ -52,6 +53,7 @@ A_SPEC_HASH = "shoal.dev/spec-hash"
 A_MODEL_REVISION = "shoal.dev/model-revision"
 L_KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
 A_KUEUE_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+A_VOLCANO_GROUP = "scheduling.k8s.io/group-name"
 RESERVED_ENV_PREFIX = "SHOAL_"
 
 
@@ -403,6 +405,10 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         # Kueue's plain pod groups: admitted (and scheduled) all `pipeline` pods or none.
         labels[L_KUEUE_GROUP] = group_value
         annotations[A_KUEUE_COUNT] = str(par["pipeline"])
+    elif place["gangScheduling"] == "Volcano":
+        # Volcano gang-schedules the pods of the group's PodGroup (volcano_pod_group).
+        annotations[A_VOLCANO_GROUP] = group_value
+        pod_spec["schedulerName"] = place.get("schedulerName") or "volcano"
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
 
 
@@ -568,6 +574,30 @@ def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
     })
 
 
+def volcano_pod_group(body: dict[str, Any], revision: str, index: int) -> dict[str, Any]:
+    """placement.gangScheduling Volcano: the group's PodGroup (all `pipeline` pods or none)."""
+    name = body["metadata"]["name"]
+    group = group_name(name, revision, index)
+    return _stamp({
+        "apiVersion": "scheduling.volcano.sh/v1beta1",
+        "kind": "PodGroup",
+        "metadata": _meta(body, group, {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}),
+        "spec": {"minMember": body["spec"]["parallelism"]["pipeline"]},
+    })
+
+
+# Objects that live and die with one group: (apiVersion, kind) and how to render them.
+COMPANION_KINDS = (("networking.k8s.io/v1", "NetworkPolicy"), ("scheduling.volcano.sh/v1beta1", "PodGroup"))
+
+
+def group_companions(body: dict[str, Any], revision: str, index: int) -> list[dict[str, Any]]:
+    """What a group needs besides its StatefulSet, created before it and deleted with it."""
+    out = [group_network_policy(body, revision, index)]
+    if body["spec"]["placement"]["gangScheduling"] == "Volcano":
+        out.append(volcano_pod_group(body, revision, index))
+    return out
+
+
 def headless_service(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return _stamp({
@@ -693,6 +723,6 @@ def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> l
     revision = revision_hash(body)
     groups = []
     for i in range(desired_replicas(body)):
-        groups += [group_network_policy(body, revision, i), group_statefulset(body, revision, i, cluster_domain)]
+        groups += group_companions(body, revision, i) + [group_statefulset(body, revision, i, cluster_domain)]
     fetch = [model_fetch_job(body)] if uses_model_cache(body["spec"]) else []
     return shared_objects(body) + fetch + groups

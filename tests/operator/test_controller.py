@@ -507,3 +507,13 @@ def test_pod_and_statefulset_watches_select_server_side(monkeypatch):
     assert list(sel.collect(kopf.Resource("", "v1", "pods"))) == [render.L_DEPLOYMENT]
     assert list(sel.collect(kopf.Resource("apps", "v1", "statefulsets"))) == [render.L_DEPLOYMENT]
     assert list(sel.collect(kopf.Resource("shoal.dev", "v1alpha1", "inferencedeployments"))) == []
+
+
+def test_volcano_pod_groups_follow_the_groups(world):
+    kube, c, *_ = world
+    idf(kube, replicas=2, parallelism={"pipeline": 2}, placement={"gangScheduling": "Volcano"})
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("PodGroup")) == sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["replicas"] = 1
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("PodGroup")) == sorted(kube.of_kind("StatefulSet")) and len(kube.of_kind("PodGroup")) == 1

@@ -87,9 +87,10 @@ def test_namespaced_variant_has_no_cluster_wide_verbs():
 def enough_and_least(rules):
     plurals = {"StatefulSet": "statefulsets", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
                "ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors", "NetworkPolicy": "networkpolicies"}
-    plurals.update(PersistentVolumeClaim="persistentvolumeclaims", Job="jobs")
+    plurals.update(PersistentVolumeClaim="persistentvolumeclaims", Job="jobs", PodGroup="podgroups")
     for obj in render.render_all(make_body(monitoring={"serviceMonitor": True},
-                                           model={"source": "hf://org/m", "cache": {"enabled": True}})):
+                                           model={"source": "hf://org/m", "cache": {"enabled": True}},
+                                           placement={"gangScheduling": "Volcano"})):
         group = obj["apiVersion"].rpartition("/")[0]
         for verb in ("get", "create", "patch"):  # server-side apply of a new object needs create
             assert allowed(rules, group, plurals[obj["kind"]], verb), (obj["kind"], verb)

@@ -334,3 +334,19 @@ def test_the_shared_model_cache(defaulted):
     # another revision: another key, so another Job and directory
     other = defaulted(**{**SPECS["hf-cache"], "model": {**SPECS["hf-cache"]["model"], "revision": "v3"}})
     assert render.model_cache_key(other["spec"]) != key
+
+
+def test_volcano_gang_scheduling(defaulted):
+    body = defaulted(parallelism={"pipeline": 3}, placement={"gangScheduling": "Volcano"})
+    rev = render.revision_hash(body)
+    objs = render.render_all(body)
+    (pg,) = [o for o in objs if o["kind"] == "PodGroup"]
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    validate_k8s(sts)
+    group = sts["metadata"]["name"]
+    assert pg["apiVersion"] == "scheduling.volcano.sh/v1beta1" and pg["metadata"]["name"] == group
+    assert pg["spec"] == {"minMember": 3} and pg["metadata"]["ownerReferences"][0]["kind"] == "InferenceDeployment"
+    tpl = sts["spec"]["template"]
+    assert tpl["metadata"]["annotations"][render.A_VOLCANO_GROUP] == group
+    assert tpl["spec"]["schedulerName"] == "volcano"
+    assert objs.index(pg) < objs.index(sts) and rev in group
