@@ -25,6 +25,7 @@ import copy
 import hashlib
 import json
 import posixpath
+import re
 from typing import Any
 
 from shoal.operator import crd, defaults
@@ -462,7 +463,29 @@ def drift(desired: Any, live: Any, path: str = "") -> list[str]:
         if not isinstance(live, list) or len(live) != len(desired):
             return [path]
         return [p for i, (a, b) in enumerate(zip(desired, live)) for p in drift(a, b, f"{path}[{i}]")]
-    return [] if str(desired) == str(live) else [path]
+    if str(desired) == str(live):
+        return []
+    a, b = _quantity(desired), _quantity(live)
+    return [] if a is not None and a == b else [path]
+
+
+_SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+           "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)(n|u|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+def _quantity(value: Any) -> float | None:
+    """A Kubernetes quantity's value (the server returns `0.5` as "500m", `1024Mi` as "1Gi"),
+    or None for anything else."""
+    if isinstance(value, bool):
+        return None
+    m = _QUANTITY_RE.match(str(value))
+    if not m:
+        return None
+    try:
+        return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------- objects

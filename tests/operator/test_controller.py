@@ -318,6 +318,10 @@ def test_drift_ignores_what_the_server_adds():
             "spec": {"selector": {"a": "b"}, "clusterIP": "10.0.0.1",
                      "ports": [{"port": 8000, "name": "http", "protocol": "TCP", "targetPort": 8000}]}}
     assert render.drift(obj, live) == []
+    # quantities as the server normalises them are not drift
+    assert render.drift({"limits": {"cpu": 0.5, "memory": "1024Mi", "nvidia.com/gpu": 2}},
+                        {"limits": {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": "2"}}) == []
+    assert render.drift({"limits": {"cpu": "1"}}, {"limits": {"cpu": "2"}}) == ["limits.cpu"]
     live["spec"]["selector"]["c"] = "d"
     live["spec"]["ports"][0]["port"] = 80
     assert render.drift(obj, live) == ["spec.selector", "spec.ports[0].port"]
