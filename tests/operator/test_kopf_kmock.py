@@ -436,3 +436,24 @@ async def test_delete_while_the_resync_timer_runs(cluster, monkeypatch):
         started = time.monotonic()
         await eventually(gone, timeout=20)  # kopf's default re-check would come after 60 s
         assert time.monotonic() - started < 20
+
+
+async def test_an_invalid_spec_is_reported_and_nothing_is_created(cluster):
+    """Issue 19: KMock runs no CEL, like a cluster with an older CRD: the operator itself refuses
+    the spec, says why in status, and touches no child."""
+    k = cluster
+    bad = idf(name="bad", parallelism={"tensor": 2}, resources={"limits": {"nvidia.com/gpu": 4}})
+    async with operator_running():
+        async with k.post(IDF, json=bad) as resp:
+            assert resp.status in (200, 201)
+
+        async def refused():
+            obj = await get(k, f"{IDF}/bad")
+            st = (obj or {}).get("status") or {}
+            return st.get("conditions") and cond(st, "Degraded")["reason"] == "InvalidSpec" and st
+        st = await eventually(refused, timeout=30)
+        assert cond(st, "Ready")["status"] == "False" and "nvidia.com/gpu" in cond(st, "Ready")["message"]
+        await asyncio.sleep(1.0)   # a couple of resync rounds
+        for path in (STS, NPS, "/api/v1/namespaces/default/services"):
+            assert [o for o in await items(k, path)
+                    if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "bad"] == [], path
