@@ -592,6 +592,9 @@ def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
         "metadata": _meta(body, f"{name}-fetch-{key}", labels),
         "spec": {
             "backoffLimit": 4,
+            # Done jobs (and their pods) go after an hour: status keeps the Ready; a failed one is
+            # then created again, which is a retry.
+            "ttlSecondsAfterFinished": 3600,
             "template": {"metadata": {"labels": {**common_labels(name), **labels}}, "spec": pod},
         },
     })
