@@ -129,6 +129,16 @@ def test_install_serve_rollout_delete(installed):
     out = complete_through_service(kc)
     assert out["choices"] and isinstance(out["choices"][0]["text"], str) and out["choices"][0]["text"]
 
+    # Issue 19: a Ready condition for `kubectl wait`, the serving URL, least-privilege pods and a
+    # NetworkPolicy per group.
+    kubectl(kc, "-n", NS, "wait", "--for=condition=Ready", f"infd/{NAME}", "--timeout=120s", timeout=130)
+    assert infd(kc)["status"]["url"] == f"http://{NAME}.{NS}.svc.cluster.local:8000"
+    group = stss["items"][0]["metadata"]["name"]
+    kubectl(kc, "-n", NS, "get", "networkpolicy", group)
+    pod = json.loads(kubectl(kc, "-n", NS, "get", "pod", f"{group}-0", "-o", "json"))
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
     # A new model revision: a new group comes up, then the old one goes (maxSurge 1, maxUnavailable 0).
     kubectl(kc, "-n", NS, "patch", "infd", NAME, "--type=merge", "-p",
             json.dumps({"spec": {"model": {"revision": "e2e-2"}}}))
@@ -154,7 +164,100 @@ def test_install_serve_rollout_delete(installed):
     kubectl(kc, "-n", NS, "delete", "infd", NAME, "--wait=true", "--timeout=300s", timeout=320)
 
     def all_gone():
-        left = kubectl(kc, "-n", NS, "get", "statefulsets,pods,services,poddisruptionbudgets",
+        left = kubectl(kc, "-n", NS, "get", "statefulsets,pods,services,poddisruptionbudgets,networkpolicies",
                        "-l", f"shoal.dev/deployment={NAME}", "-o", "name")
         return not left.strip()
     wait_for("the children to be garbage-collected", all_gone, timeout=300)
+
+
+# ---------------------------------------------------------------- issue 19
+
+def with_spec(name: str = NAME, **spec) -> dict:
+    obj = sample()
+    obj["metadata"]["name"] = name
+    for key, value in spec.items():
+        if isinstance(value, dict) and isinstance(obj["spec"].get(key), dict):
+            obj["spec"][key] = {**obj["spec"][key], **value}
+        else:
+            obj["spec"][key] = value
+    return obj
+
+
+BAD = {
+    "dots in the name": with_spec("llama.v2"),
+    "a digit first": with_spec("8b-llama"),
+    "gpus != tensor": with_spec(parallelism={"tensor": 2}, resources={"limits": {"nvidia.com/gpu": 4}}),
+    "mig != tensor": with_spec(parallelism={"tensor": 2}, resources={"limits": {"nvidia.com/mig-3g.40gb": 1}}),
+    "extraArgs --port": with_spec(engine={"extraArgs": ["--port", "9000"]}),
+    "volume dshm": with_spec(podTemplate={"volumes": [{"name": "dshm", "emptyDir": {}}]}),
+    "a second /dev/shm": with_spec(podTemplate={"volumes": [{"name": "s", "emptyDir": {}}],
+                                                "volumeMounts": [{"name": "s", "mountPath": "/dev/shm"}]}),
+    "SHOAL_ env": with_spec(podTemplate={"env": [{"name": "SHOAL_GROUP", "value": "x"}]}),
+    "negative cacheSize": with_spec(model={"source": "hf://org/m", "cacheSize": "-1Gi"}),
+    "pvc ..": with_spec(model={"source": "pvc://models/../../etc"}),
+    "interval 0s": with_spec(monitoring={"interval": "0s"}),
+    "unknown field": with_spec(replicaz=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_inputs_are_refused_by_the_api_server(installed, case):
+    kc = installed
+    r = subprocess.run([kc, "apply", "--dry-run=server", "--validate=strict", "-f", "-"],
+                       input=yaml.safe_dump(BAD[case]), capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, f"{case} was accepted: {r.stdout}"
+
+
+def test_drift_is_repaired_and_a_fresh_resource_keeps_its_groups(installed):
+    kc = installed
+    obj = with_spec("drift", replicas=2, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                                                      "scaleDownStabilizationSeconds": 300})
+    kubectl(kc, "apply", "-f", "-", input=yaml.safe_dump(obj))
+    started = time.monotonic()
+
+    def two_groups():
+        out = kubectl(kc, "-n", NS, "get", "statefulsets", "-l", "shoal.dev/deployment=drift", "-o", "json")
+        items = json.loads(out)["items"]
+        return len(items) == 2 and items
+    stss = wait_for("two groups", two_groups, timeout=120)
+    # Defect 1: idle at creation must not scale down within the 300 s window.
+    time.sleep(max(0.0, 60 - (time.monotonic() - started)))
+    assert json.loads(kubectl(kc, "-n", NS, "get", "infd", "drift", "-o", "json"))["status"]["desiredReplicas"] == 2
+    # Defect 2: a group scaled by hand and a Service with an extra selector label are put back.
+    group = stss[0]["metadata"]["name"]
+    kubectl(kc, "-n", NS, "scale", "statefulset", group, "--replicas=0")
+    kubectl(kc, "-n", NS, "patch", "service", "drift", "--type=merge", "-p",
+            json.dumps({"spec": {"selector": {"extra": "x"}}}))
+
+    def repaired():
+        sts = json.loads(kubectl(kc, "-n", NS, "get", "statefulset", group, "-o", "json"))
+        svc = json.loads(kubectl(kc, "-n", NS, "get", "service", "drift", "-o", "json"))
+        return sts["spec"]["replicas"] == 1 and "extra" not in svc["spec"]["selector"]
+    wait_for("the drift to be repaired", repaired, timeout=120)
+    kubectl(kc, "-n", NS, "delete", "infd", "drift", "--wait=true", "--timeout=300s", timeout=320)
+
+
+
+def test_partition_stages_a_rollout(installed):
+    kc = installed
+    kubectl(kc, "apply", "-f", "-", input=yaml.safe_dump(with_spec("canary", replicas=2, rollout={"partition": 1})))
+    kubectl(kc, "-n", NS, "wait", "--for=condition=Ready", "infd/canary", f"--timeout={int(TIMEOUT)}s",
+            timeout=TIMEOUT + 10)
+    kubectl(kc, "-n", NS, "patch", "infd", "canary", "--type=merge", "-p",
+            json.dumps({"spec": {"model": {"revision": "canary-2"}}}))
+
+    def staged():
+        o = json.loads(kubectl(kc, "-n", NS, "get", "infd", "canary", "-o", "json"))
+        st = o.get("status") or {}
+        revs = [g["revision"] for g in st.get("groups") or [] if not g.get("terminating")]
+        return (st.get("observedGeneration") == o["metadata"]["generation"]
+                and condition(o, "Progressing").get("reason") == "PartitionReached"
+                and sorted(r == st["revision"] for r in revs) == [False, True] and o)
+    wait_for("one canary group beside one old group", staged)
+    kubectl(kc, "-n", NS, "patch", "infd", "canary", "--type=merge", "-p",
+            json.dumps({"spec": {"rollout": {"partition": 0}}}))
+    kubectl(kc, "-n", NS, "wait", "--for=condition=Ready", "infd/canary", f"--timeout={int(TIMEOUT)}s",
+            timeout=TIMEOUT + 10)
+    o = json.loads(kubectl(kc, "-n", NS, "get", "infd", "canary", "-o", "json"))
+    assert condition(o, "Progressing")["reason"] == "RolloutComplete"
+    kubectl(kc, "-n", NS, "delete", "infd", "canary", "--wait=true", "--timeout=300s", timeout=320)

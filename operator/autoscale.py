@@ -4,9 +4,14 @@
   groups that reported; per group it is compared with `targetQueueDepth`;
 - raw recommendation: `ceil(reporting * (total/reporting) / target)` = `ceil(total/target)`,
   or the current count when the ratio is within the tolerance (10%) of 1;
+- groups that should exist but do not report (still loading a model, restarting) are,
+  as HPA does with pods missing metrics, assumed at the target on a scale-down and idle
+  on a scale-up; if that flips the direction or lands within the tolerance, hold;
 - stabilization (as HPA `behavior`): a scale-up goes to the *lowest* recommendation
   seen in the scale-up window, a scale-down to the *highest* one seen in the
   scale-down window, so brief spikes and dips do not flap the group count;
+- the window is seeded with the current count the first time a resource is seen (as
+  HPA does), so a fresh resource is not scaled down before its scale-down window;
 - bounds: [minReplicas, maxReplicas].
 
 The state (recent recommendations, last scale time) is a plain dict kept in the
@@ -16,6 +21,7 @@ resource's `status.autoscaler`, so it survives an operator restart.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,16 +36,26 @@ class Decision:
     state: dict[str, Any]  # the new status.autoscaler
 
 
-def raw_recommendation(current: int, loads: Sequence[float], target: float, tolerance: float = 0.1) -> int | None:
-    """HPA's formula over the reporting groups; None when nobody reported (no data, no change)."""
+def raw_recommendation(current: int, loads: Sequence[float], target: float, tolerance: float = 0.1,
+                       missing: int = 0) -> int | None:
+    """HPA's formula over the reporting groups; None when nobody reported (no data, no change).
+
+    `missing`: groups that exist (or should) but did not report; see the module docstring.
+    """
     if not loads:
         return None
     total = float(sum(loads))
-    per_group = total / len(loads)
-    ratio = per_group / target
+    ratio = total / len(loads) / target
     if abs(ratio - 1.0) <= tolerance:
         return current
-    return max(0, math.ceil(len(loads) * ratio - 1e-9))
+    if missing <= 0:
+        return max(0, math.ceil(len(loads) * ratio - 1e-9))
+    scale_up = ratio > 1.0
+    count = len(loads) + missing
+    ratio = (total + (0.0 if scale_up else missing * target)) / count / target
+    if abs(ratio - 1.0) <= tolerance or (ratio > 1.0) != scale_up:
+        return current
+    return max(0, math.ceil(count * ratio - 1e-9))
 
 
 def decide(
@@ -50,26 +66,41 @@ def decide(
     config: Mapping[str, Any],
     state: Mapping[str, Any] | None = None,
 ) -> Decision:
-    """One autoscaler round. `current` is the desired count so far, `loads` one queue depth per ready group."""
+    """One autoscaler round. `current` is the desired count so far, `loads` one queue depth per ready group
+    that reported; the `current - len(loads)` others count as missing (see raw_recommendation)."""
     lo, hi = int(config["minReplicas"]), int(config["maxReplicas"])
     up_window = float(config.get("scaleUpStabilizationSeconds", 0))
     down_window = float(config.get("scaleDownStabilizationSeconds", 300))
     tolerance = float(config.get("tolerance", 0.1))
     state = dict(state or {})
-    recs = [dict(r) for r in state.get("recommendations") or []]
+    if isinstance(state.get("lastScaleTime"), (int, float)):  # written by an older operator
+        state["lastScaleTime"] = rfc3339(state["lastScaleTime"])
+    horizon = max(up_window, down_window)
+    recs = [{**r, "time": _seconds(r["time"]), "replicas": int(r["replicas"])}
+            for r in state.get("recommendations") or []]
+    if "recommendations" not in state:
+        # First sight: seed the window with the current count (HPA does), so a resource is
+        # not scaled down within its scale-down window of being created.
+        recs.append({"time": now, "replicas": int(current), "seed": True})
+    # The newest recommendation is an open run: it held until now (see _advance).
+    open_run = recs[-1] if recs and not recs[-1].get("seed") else None
 
-    raw = raw_recommendation(current, loads, float(config["targetQueueDepth"]), tolerance)
+    def seen(r: dict[str, Any], window: float) -> bool:
+        # a closed run's time is when it was replaced: it held until just before then
+        return window > 0 and (r is open_run or r["time"] > now - window)
+
+    raw = raw_recommendation(current, loads, float(config["targetQueueDepth"]), tolerance,
+                             missing=max(0, current - len(loads)))
     if raw is None:
         bounded = max(lo, min(hi, current))
         direction = "hold" if bounded == current else ("up" if bounded > current else "down")
-        return Decision(bounded, current, direction, "no metrics from ready groups", {**state, "recommendations": recs})
+        return Decision(bounded, current, direction, "no metrics from ready groups",
+                        {**state, "recommendations": _encode(_expire(recs, open_run, now, horizon))})
 
-    recs.append({"time": now, "replicas": int(raw)})
-    horizon = max(up_window, down_window)
-    recs = [r for r in recs if r["time"] >= now - horizon]
-
-    up = min([r["replicas"] for r in recs if r["time"] >= now - up_window] or [raw])
-    down = max([r["replicas"] for r in recs if r["time"] >= now - down_window] or [raw])
+    # The seed holds scale-downs only; a scale-up may follow the first round's load at once.
+    up = min([r["replicas"] for r in recs if not r.get("seed") and seen(r, up_window)] + [raw])
+    down = max([r["replicas"] for r in recs if seen(r, down_window)] + [raw])
+    recs = _advance(recs, open_run, int(raw), now)
     stabilized = current
     if stabilized < up:
         stabilized = up
@@ -84,7 +115,46 @@ def decide(
     else:
         direction = "hold"
         reason = "within tolerance" if raw == current else f"stabilizing (recommendation {raw})"
-    new_state = {**state, "recommendations": recs, "lastDirection": direction}
+    new_state = {**state, "recommendations": _encode(_expire(recs, recs[-1], now, horizon)),
+                 "lastDirection": direction}
     if direction != "hold":
-        new_state["lastScaleTime"] = now
+        new_state["lastScaleTime"] = rfc3339(now)
     return Decision(desired, int(raw), direction, reason, new_state)
+
+
+def rfc3339(t: float) -> str:
+    return datetime.datetime.fromtimestamp(int(t), tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _seconds(value: Any) -> float:
+    """A stored time: RFC 3339 (now) or epoch seconds (status written by an older operator)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def _advance(recs: list[dict[str, Any]], open_run: dict[str, Any] | None, raw: int,
+             now: float) -> list[dict[str, Any]]:
+    """Add this round's recommendation to the window, as runs of equal recommendations.
+
+    The newest run is open: stored with the time it *started*, it counts as current until
+    another value replaces it; then it is closed with the time `now` (at most one round
+    later than it was last seen: it is held that much longer, never shorter). So a round that
+    repeats the recommendation changes nothing in status (no write per tick), and the list
+    is as long as the changes within the window, not the ticks.
+    """
+    if open_run is not None and open_run["replicas"] == raw:
+        return recs
+    if open_run is not None:
+        open_run["time"] = now
+    return recs + [{"time": now, "replicas": raw}]
+
+
+def _expire(recs: list[dict[str, Any]], open_run: dict[str, Any] | None, now: float,
+            horizon: float) -> list[dict[str, Any]]:
+    return [r for r in recs if r is open_run or r["time"] > now - horizon]
+
+
+def _encode(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"time": rfc3339(r["time"]), "replicas": r["replicas"], **({"seed": True} if r.get("seed") else {})}
+            for r in recs]

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--resync-seconds", type=float, default=10.0,
                      help="per-resource timer: scrape, autoscale, reconcile")
     run.add_argument("--cluster-domain", default="cluster.local")
+    run.add_argument("--allow-pod-service-account", action="store_true",
+                     help="honour spec.podTemplate.serviceAccountName (default: refused, status InvalidSpec; "
+                          "pods run as the namespace's default account, with no token)")
     run.add_argument("--peering", default=None,
                      help="kopf peering name for several operator replicas (default: standalone)")
     run.add_argument("-v", "--verbose", action="store_true")
@@ -44,6 +47,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Read at import by main.py (kopf registers its timer intervals at import).
     os.environ["SHOAL_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
     os.environ["SHOAL_CLUSTER_DOMAIN"] = args.cluster_domain
+    if args.allow_pod_service_account:
+        os.environ["SHOAL_OPERATOR_ALLOW_POD_SERVICE_ACCOUNT"] = "1"
 
     import kopf
 
@@ -74,7 +79,7 @@ def _load(path: str) -> list[dict]:
 def cmd_render(args: argparse.Namespace) -> int:
     import yaml
 
-    from shoal.operator import crd, render
+    from shoal.operator import crd, defaults, render, validate
 
     docs = [d for d in _load(args.file) if d.get("kind") == crd.KIND]
     if not docs:
@@ -82,6 +87,10 @@ def cmd_render(args: argparse.Namespace) -> int:
         return 1
     out = []
     for doc in docs:
+        bad = validate.problems(defaults.apply_defaults(doc), allow_service_account=True)
+        if bad:  # what the controller would refuse (status InvalidSpec), refused here too
+            print(f"{doc['metadata'].get('name')}: " + "; ".join(bad), file=sys.stderr)
+            return 1
         out += render.render_all(doc, cluster_domain=args.cluster_domain)
     sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False))
     return 0

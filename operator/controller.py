@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, status
+from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, status, validate
 from shoal.operator.kube import ApiError, Kube
 
 log = logging.getLogger("shoal.operator")
@@ -26,6 +26,8 @@ MAX_RERUNS = 2
 LONE_POD_SPREAD_SECONDS = 60
 A_RESTARTS = "shoal.dev/restarts"
 A_RESTARTED_AT = "shoal.dev/restarted-at"
+OPTIONAL_STATUS = ("autoscaler", "modelCache")  # present only while their feature is on
+A_RESTART_TIMES = "shoal.dev/recent-restarts"   # epoch seconds within status.RESTART_WINDOW_SECONDS
 
 
 # ---------------------------------------------------------------- runtime metrics
@@ -103,6 +105,47 @@ def failure_reason(pods: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def recent_restarts(annotations: dict[str, str], now: float) -> list[int]:
+    """The group's restart times within the window (for the Degraded condition's count)."""
+    times = [int(t) for t in (annotations.get(A_RESTART_TIMES) or "").split() if t.isdigit()]
+    return [t for t in times if now - t < status.RESTART_WINDOW_SECONDS]
+
+
+def group_size(sts: dict[str, Any]) -> int:
+    """Pods a group must have: its pipeline size as rendered (SHOAL_PIPELINE_SIZE), not
+    `spec.replicas`, which anyone may have scaled (a group of 1 of 2 pods is not ready)."""
+    for c in ((sts.get("spec") or {}).get("template") or {}).get("spec", {}).get("containers") or []:
+        for e in c.get("env") or []:
+            if e.get("name") == "SHOAL_PIPELINE_SIZE" and str(e.get("value", "")).isdigit():
+                return int(e["value"])
+    return int((sts.get("spec") or {}).get("replicas") or 0)
+
+
+def job_phase(job: dict[str, Any]) -> tuple[str, str]:
+    """(Pending | Fetching | Ready | Failed, message) of a fetch Job."""
+    st = job.get("status") or {}
+    for c in st.get("conditions") or []:
+        if c.get("type") == "Complete" and c.get("status") == "True":
+            return "Ready", "downloaded"
+        if c.get("type") == "Failed" and c.get("status") == "True":
+            return "Failed", f"the fetch Job failed: {c.get('reason', '')} {c.get('message', '')}".strip()
+    if int(st.get("succeeded") or 0) > 0:
+        return "Ready", "downloaded"
+    if int(st.get("active") or 0) > 0:
+        tries = int(st.get("failed") or 0)
+        return "Fetching", "downloading" + (f" (retry {tries})" if tries else "")
+    return "Pending", "waiting for the fetch Job's pod"
+
+
+def pod_failed(pod: Any) -> bool:
+    """A pod whose own state calls for a group restart (failed, a container restarted): the
+    kopf pod watch reacts to it at once, not at the next resync."""
+    try:
+        return failure_reason([pod]) is not None
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 @dataclasses.dataclass
 class Observed:
     statefulsets: dict[str, dict[str, Any]]
@@ -126,16 +169,19 @@ def _log_event(body: dict[str, Any], type_: str, reason: str, message: str) -> N
 class Controller:
     def __init__(self, kube: Kube | Callable[[], Kube], *, events: Events = _log_event,
                  clock: Callable[[], float] = time.time, cluster_domain: str = "cluster.local",
-                 fetch: Callable[[str], str] | None = None):
+                 fetch: Callable[[str], str] | None = None, allow_service_account: bool = False):
         self._kube = kube
         self.events = events
         self.clock = clock
         self.cluster_domain = cluster_domain
         self.fetch = fetch or fetch_metrics
+        self.allow_service_account = allow_service_account   # an admin's choice (--allow-pod-service-account)
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], dict[str, bool]] = {}
         self.loads: dict[tuple[str, str], dict[str, float]] = {}
-        self.applied: dict[tuple[str, str, str, str], str] = {}   # (kind, ns, name, owner uid) -> spec hash
+        self.no_pod_patch: set[str] = set()   # namespaces where RBAC refuses pods/patch
+        # (kind, ns, name, owner uid, owner name) -> spec hash
+        self.applied: dict[tuple[str, str, str, str, str], str] = {}
 
     @property
     def kube(self) -> Kube:
@@ -169,11 +215,18 @@ class Controller:
                     self._running[key] = {"again": False, "scrape": False}
         finally:
             with self._lock:
-                self._running.pop(key, None)
+                pending = self._running.pop(key, {})
+            if pending.get("forgotten"):
+                # Deleted while this round ran: it may have set the series again after forget().
+                metrics.forget(namespace, name)
 
     def forget(self, namespace: str, name: str) -> None:
+        with self._lock:
+            if (namespace, name) in self._running:
+                self._running[(namespace, name)]["forgotten"] = True
         self.loads.pop((namespace, name), None)
-        self.applied = {k: v for k, v in self.applied.items() if k[1] != namespace or not k[2].startswith(name)}
+        # Its children's applied hashes, by owner name (a name prefix would also hit `NAME2`'s).
+        self.applied = {k: v for k, v in self.applied.items() if (k[1], k[4]) != (namespace, name)}
         metrics.forget(namespace, name)
 
     # -------------------------------------------------------------- one reconcile
@@ -182,9 +235,18 @@ class Controller:
         kube = self.kube
         raw = kube.get(crd.API_VERSION, crd.KIND, namespace, name)
         if raw is None or raw["metadata"].get("deletionTimestamp"):
+            metrics.forget(namespace, name)  # going or gone: its series must not linger
             return None
         body = defaults.apply_defaults(raw)
         body["metadata"].setdefault("namespace", namespace)
+        bad = validate.problems(body, allow_service_account=self.allow_service_account)
+        if bad:
+            # Refused before any child is touched; the groups that run keep running.
+            new = status.refused(body, bad, self.clock())
+            if not status.same({k: (body.get("status") or {}).get(k) for k in new}, new):
+                kube.merge_patch(crd.API_VERSION, crd.KIND, namespace, name, {"status": new}, subresource="status")
+                self.events(body, "Warning", "InvalidSpec", "; ".join(bad)[:1000])
+            return new
         with metrics.reconciling():
             try:
                 return self._reconcile(kube, body, scrape)
@@ -208,11 +270,21 @@ class Controller:
                 existing = self._get_quietly(kube, api_version, kind, ns, mname)
                 if existing is not None and owned_by(existing, uid):
                     kube.delete(api_version, kind, ns, mname)
-                    self.applied.pop((kind, ns, mname, uid or ""), None)
+                    self.applied.pop((kind, ns, mname, uid or "", name), None)
+
+        # 1b. The shared model cache: groups of this revision wait until it holds the model.
+        cache = self._model_cache(kube, body, now) if render.uses_model_cache(spec) else None
 
         # 2. What the groups look like.
         obs = self._observe(kube, body)
-        groups, details, failing = self._groups(kube, body, obs, revision)
+        if scrape:
+            # Companions of groups that are gone (a delete that failed half-way, an operator restart).
+            for api_version, kind in render.COMPANION_KINDS:
+                for obj in self._list_quietly(kube, api_version, kind, ns, render.selector_labels(name)):
+                    group = (obj["metadata"].get("labels") or {}).get(render.L_GROUP)
+                    if group and group not in obs.statefulsets and owned_by(obj, uid):
+                        self._delete_quietly(kube, api_version, kind, ns, obj["metadata"]["name"])
+        groups, details, failing = self._groups(kube, body, obs, revision, verify=scrape)
 
         # 3. Queue depth (timer rounds only) and the autoscaler.
         key = (ns, name)
@@ -235,9 +307,14 @@ class Controller:
                 desired, auto_state = decision.replicas, decision.state
 
         # 4. The rollout step.
-        plan = rollout.plan(groups, revision, desired, spec["rollout"]["maxSurge"], spec["rollout"]["maxUnavailable"])
+        plan = rollout.plan(groups, revision, desired, spec["rollout"]["maxSurge"], spec["rollout"]["maxUnavailable"],
+                            partition=spec["rollout"]["partition"])
+        if cache is not None and cache["phase"] != "Ready":
+            plan.create = []   # nothing to load yet; the old groups keep serving (the floor holds)
         for index in plan.create:
             sts = render.group_statefulset(body, revision, index, self.cluster_domain)
+            for companion in render.group_companions(body, revision, index):   # before its pods exist
+                self._apply_now(kube, companion)
             self._apply_now(kube, sts)
             groups.append(rollout.Group(sts["metadata"]["name"], revision, index, ready=False))
             self.events(body, "Normal", "GroupCreated",
@@ -245,6 +322,10 @@ class Controller:
         doomed = set(plan.delete)
         for gname in plan.delete:
             kube.delete("apps/v1", "StatefulSet", ns, gname, propagation="Foreground")
+            # Its policy (and PodGroup) go with it; its pods still drain among themselves (their
+            # connections exist already, and no new peer needs the rendezvous port).
+            for api_version, kind in render.COMPANION_KINDS:
+                self._delete_quietly(kube, api_version, kind, ns, gname)
             g = next(g for g in groups if g.name == gname)
             why = "old revision" if g.revision != revision else "scale down"
             self.events(body, "Normal", "GroupDeleted", f"deleted group {gname} ({why}); its pods drain")
@@ -253,7 +334,8 @@ class Controller:
         # 5. Status.
         new_status = status.build(body=body, groups=groups, group_details=details, revision=revision,
                                   desired=desired, selector=render.selector(name), failing=failing,
-                                  autoscaler=auto_state, now=now)
+                                  autoscaler=auto_state, now=now, model_cache=cache,
+                                  url=render.serving_url(name, ns, self.cluster_domain))
         self._write_status(kube, body, new_status)
         metrics.set_groups(ns, name, desired, new_status["readyReplicas"])
         return new_status
@@ -269,11 +351,30 @@ class Controller:
                 return None
             raise
 
+    @staticmethod
+    def _list_quietly(kube: Kube, api_version: str, kind: str, ns: str,
+                      labels: dict[str, str]) -> list[dict[str, Any]]:
+        try:
+            return kube.list(api_version, kind, ns, labels)
+        except ApiError as e:
+            if e.status in (403, 404):
+                return []
+            raise
+
+    @staticmethod
+    def _delete_quietly(kube: Kube, api_version: str, kind: str, ns: str, name: str) -> None:
+        try:
+            kube.delete(api_version, kind, ns, name)
+        except ApiError as e:
+            if e.status not in (403, 404):
+                raise
+
     def _apply(self, kube: Kube, obj: dict[str, Any], verify: bool = True) -> None:
         meta = obj["metadata"]
         want = meta["annotations"][render.A_SPEC_HASH]
-        owner = (meta.get("ownerReferences") or [{}])[0].get("uid", "")
-        key = (obj["kind"], meta["namespace"], meta["name"], owner)
+        ref = (meta.get("ownerReferences") or [{}])[0]
+        key = (obj["kind"], meta["namespace"], meta["name"], ref.get("uid", ""),
+               meta["labels"].get(render.L_DEPLOYMENT, ""))
         if not verify and self.applied.get(key) == want:
             return
         self._apply_now(kube, obj)
@@ -283,12 +384,23 @@ class Controller:
         meta = obj["metadata"]
         existing = self._get_quietly(kube, obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if existing is not None:
-            have = ((existing.get("metadata") or {}).get("annotations") or {}).get(render.A_SPEC_HASH)
-            if have == meta["annotations"][render.A_SPEC_HASH]:
-                return  # unchanged: applying again would only churn resourceVersions
             if existing["metadata"].get("deletionTimestamp"):
                 return  # still going away; the next round recreates it
+            have = ((existing.get("metadata") or {}).get("annotations") or {}).get(render.A_SPEC_HASH)
+            if have == meta["annotations"][render.A_SPEC_HASH]:
+                # Our annotation says unchanged, but someone may have changed what we own:
+                # compare the live fields we set (applying again when nothing drifted would
+                # only churn resourceVersions).
+                paths = render.drift({k: v for k, v in obj.items() if k != "status"}, existing)
+                if not paths:
+                    return
+                self.drifted(obj, paths)
         kube.apply(obj)
+
+    def drifted(self, obj: dict[str, Any], paths: list[str]) -> None:
+        meta = obj["metadata"]
+        log.warning("%s %s/%s drifted (%s): re-applying", obj["kind"], meta["namespace"], meta["name"],
+                    ", ".join(paths[:5]))
 
     def _observe(self, kube: Kube, body: dict[str, Any]) -> Observed:
         ns, name, uid = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid")
@@ -302,7 +414,35 @@ class Controller:
                 pods[group].append(pod)
         return Observed(stss, pods)
 
-    def _groups(self, kube: Kube, body: dict[str, Any], obs: Observed, revision: str):
+    def _model_cache(self, kube: Kube, body: dict[str, Any], now: float) -> dict[str, Any]:
+        """The fetch Job of the current (source, revision): create it, follow it, remember success.
+
+        Once status says Ready for this key it is trusted (the Job may be gone); a new
+        revision is a new key, so a new Job and a new directory in the cache."""
+        ns = body["metadata"]["namespace"]
+        key = render.model_cache_key(body["spec"])
+        prev = (body.get("status") or {}).get("modelCache") or {}
+        if prev.get("key") == key and prev.get("phase") == "Ready":
+            return prev
+        job = render.model_fetch_job(body)
+        jname = job["metadata"]["name"]
+        live = self._get_quietly(kube, "batch/v1", "Job", ns, jname)
+        if live is None:
+            self._apply_now(kube, job)
+            return {"phase": "Pending", "key": key, "job": jname, "message": "fetch Job created"}
+        phase, message = job_phase(live)
+        st = live.get("status") or {}
+        out = {"phase": phase, "key": key, "job": jname, "message": message,
+               **({"startTime": st["startTime"]} if st.get("startTime") else {}),
+               **({"completionTime": st["completionTime"]} if st.get("completionTime") else {})}
+        if phase != prev.get("phase") or key != prev.get("key"):
+            if phase == "Ready":
+                self.events(body, "Normal", "ModelFetched", f"{body['spec']['model']['source']} is in the cache")
+            elif phase == "Failed":
+                self.events(body, "Warning", "ModelFetchFailed", message)
+        return out
+
+    def _groups(self, kube: Kube, body: dict[str, Any], obs: Observed, revision: str, verify: bool = False):
         ns = body["metadata"]["namespace"]
         now = self.clock()
         groups: list[rollout.Group] = []
@@ -312,13 +452,19 @@ class Controller:
             meta = sts["metadata"]
             labels = meta.get("labels") or {}
             ann = meta.get("annotations") or {}
-            size = int((sts.get("spec") or {}).get("replicas") or 0)
+            size = group_size(sts)
             pods = [p for p in obs.pods.get(gname, []) if not p["metadata"].get("deletionTimestamp")]
             ready_pods = sum(pod_ready(p) for p in pods)
             ready = size > 0 and ready_pods == size and len(pods) == size
             restarts = int(ann.get(A_RESTARTS, "0"))
             terminating = bool(meta.get("deletionTimestamp"))
             g_rev = labels.get(render.L_REVISION, "")
+            if not terminating and g_rev == revision and verify:
+                # Drift (a group scaled by hand, a label removed, its policy deleted): put back what we own.
+                index = int(labels.get(render.L_INDEX, "0"))
+                for companion in render.group_companions(body, revision, index):
+                    self._apply_now(kube, companion)
+                self._apply_now(kube, render.group_statefulset(body, revision, index, self.cluster_domain))
             if not terminating:
                 self._label_roles(kube, ns, pods)
                 reason = failure_reason(pods) if g_rev == revision else None
@@ -326,12 +472,18 @@ class Controller:
                     failing.append(gname)
                     ready = False
                     last = float(ann.get(A_RESTARTED_AT, "0") or 0)
-                    if now - last >= RESTART_COOLDOWN_SECONDS:
+                    if body["spec"]["restartPolicy"] == "None":
+                        pass  # the user's choice: report it (Degraded), leave the pods alone
+                    elif now - last >= RESTART_COOLDOWN_SECONDS:
                         restarts += 1
-                        self._restart_group(kube, body, sts, obs.pods.get(gname, []), reason, restarts, now)
+                        recent = recent_restarts(ann, now) + [int(now)]
+                        self._restart_group(kube, body, sts, obs.pods.get(gname, []), reason, restarts, now, recent)
+                        ann = {**ann, A_RESTARTED_AT: str(int(now)), A_RESTART_TIMES: " ".join(map(str, recent))}
             groups.append(rollout.Group(gname, g_rev, int(labels.get(render.L_INDEX, "0")), ready=ready,
                                         terminating=terminating))
-            details[gname] = {"readyPods": ready_pods, "restarts": restarts}
+            details[gname] = {"readyPods": ready_pods, "restarts": restarts,
+                              "recentRestarts": len(recent_restarts(ann, now)),
+                              "lastRestart": float(ann[A_RESTARTED_AT]) if ann.get(A_RESTARTED_AT) else None}
         return groups, details, failing
 
     def _label_roles(self, kube: Kube, ns: str, pods: list[dict[str, Any]]) -> None:
@@ -341,18 +493,27 @@ class Controller:
             except (ValueError, KeyError):
                 continue
             if (pod["metadata"].get("labels") or {}).get(render.L_ROLE) != role:
+                if ns in self.no_pod_patch:
+                    return
                 try:
                     kube.merge_patch("v1", "Pod", ns, pod["metadata"]["name"],
                                      {"metadata": {"labels": {render.L_ROLE: role}}})
                 except ApiError as e:
+                    if e.status == 403:
+                        # The cluster-wide role grants no pods/patch (least privilege): the label is
+                        # a convenience (selectors use the pod index), so go without it here.
+                        log.info("no pods/patch in namespace %s: pods get no %s label", ns, render.L_ROLE)
+                        self.no_pod_patch.add(ns)
+                        return
                     if e.status != 404:
                         raise
 
     def _restart_group(self, kube: Kube, body: dict[str, Any], sts: dict[str, Any], pods: list[dict[str, Any]],
-                       reason: str, restarts: int, now: float) -> None:
+                       reason: str, restarts: int, now: float, recent: list[int]) -> None:
         ns, gname = body["metadata"]["namespace"], sts["metadata"]["name"]
         kube.merge_patch("apps/v1", "StatefulSet", ns, gname, {"metadata": {"annotations": {
-            A_RESTARTS: str(restarts), A_RESTARTED_AT: str(int(now))}}})
+            A_RESTARTS: str(restarts), A_RESTARTED_AT: str(int(now)),
+            A_RESTART_TIMES: " ".join(map(str, recent))}}})
         for pod in pods:
             kube.delete("v1", "Pod", ns, pod["metadata"]["name"])
         metrics.group_restarted(ns, body["metadata"]["name"])
@@ -376,11 +537,10 @@ class Controller:
 
     def _write_status(self, kube: Kube, body: dict[str, Any], new: dict[str, Any]) -> None:
         old = body.get("status") or {}
-        if status.same({k: old.get(k) for k in new}, new) and ("autoscaler" in new or "autoscaler" not in old):
+        dropped = [k for k in OPTIONAL_STATUS if k in old and k not in new]   # switched off: remove
+        if status.same({k: old.get(k) for k in new}, new) and not dropped:
             return
-        patch = dict(new)
-        if "autoscaler" not in new and "autoscaler" in old:
-            patch["autoscaler"] = None
+        patch = {**new, **{k: None for k in dropped}}
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         kube.merge_patch(crd.API_VERSION, crd.KIND, ns, name, {"status": patch}, subresource="status")
 

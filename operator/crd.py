@@ -40,6 +40,66 @@ RULE_NAME = {
     "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters "
                "(group StatefulSet names are derived from it)",
 }
+# Every child is named from it: Services need an RFC 1035 label (a letter first), and
+# StatefulSets and pod hostnames a DNS label (no dots).
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+RULE_NAME_FORMAT = {
+    "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
+    "message": "metadata.name must be a DNS label that starts with a letter (lower case letters, digits "
+               "and '-'; no dots): it names Services and StatefulSets",
+}
+# Bad inputs refused by the API server (issue 19); validate.py applies the same rules in
+# the operator, for a cluster whose CRD is older than the operator.
+ACCELERATOR_RULE_KEY = "(k.endsWith('/gpu') || k.startsWith('nvidia.com/mig-'))"
+RULE_ACCELERATORS = {
+    "rule": " && ".join(
+        f"(!has(self.resources) || !has(self.resources.{part}) || self.resources.{part}.all(k, "
+        f"!{ACCELERATOR_RULE_KEY} || string(self.resources.{part}[k]) == string(self.parallelism.tensor)))"
+        for part in ("limits", "requests")),
+    "message": "an accelerator resource (*/gpu, nvidia.com/mig-*) must equal parallelism.tensor "
+               "(each pod holds `tensor` ranks, one accelerator each)",
+}
+# Flags the operator sets itself, with every prefix argparse would accept for them.
+RESERVED_FLAGS = ("port", "host", "tensor-parallel-size", "pipeline-parallel-size")
+RESERVED_FLAG_PATTERN = (
+    "^(--(" + "|".join(sorted({f[:i] for f in RESERVED_FLAGS for i in range(1, len(f) + 1)}, key=lambda x: (-len(x), x)))
+    + ")(=.*)?|-(tp|pp).*)$"
+)
+RULE_EXTRA_ARGS = {
+    "rule": f"!has(self.extraArgs) || self.extraArgs.all(a, !a.matches('{RESERVED_FLAG_PATTERN}'))",
+    "message": "engine.extraArgs may not set --port, --host or the parallel sizes (the operator sets them "
+               "from the spec)",
+}
+RESERVED_VOLUMES = ("dshm", "model", "model-cache", "tmp", "home")   # render.py's volumes
+RESERVED_MOUNTS = ("/tmp", "/home/shoal", "/models")                 # and mounts, besides /dev/shm
+RULE_VOLUMES = {
+    "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in "
+            + "[" + ", ".join(f"'{v}'" for v in RESERVED_VOLUMES) + "]))",
+    "message": "podTemplate.volumes: the names " + ", ".join(RESERVED_VOLUMES) + " are the operator's",
+}
+RULE_SHM_MOUNT = {
+    "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, m.mountPath != '/dev/shm' "
+            "&& !m.mountPath.startsWith('/dev/shm/'))",
+    "message": "podTemplate.volumeMounts: /dev/shm is mounted by the operator (sized by parallelism.tensor)",
+}
+RULE_MOUNTS = {
+    "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in "
+            + "[" + ", ".join(f"'{p}'" for p in RESERVED_MOUNTS) + "]))",
+    "message": "podTemplate.volumeMounts: " + ", ".join(RESERVED_MOUNTS) + " are mounted by the operator",
+}
+RESERVED_ENV_PREFIX = "SHOAL_"
+RULE_ENV = {
+    "rule": "!has(self.env) || self.env.all(e, !e.name.startsWith('SHOAL_'))",
+    "message": "podTemplate.env: SHOAL_* names are reserved for the operator",
+}
+RULE_SOURCE_PATH = {
+    "rule": "!self.source.matches('^(pvc|file)://(.*/)?[.][.](/.*)?$')",
+    "message": "model.source: a path may not contain '..'",
+}
+RULE_CACHE_SOURCE = {
+    "rule": "!has(self.cache) || !self.cache.enabled || self.source.startsWith('hf://')",
+    "message": "model.cache is for hf:// sources (the others need no download)",
+}
 RULE_MIN_MAX = {
     "rule": "self.minReplicas <= self.maxReplicas",
     "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
@@ -75,16 +135,29 @@ def _free_object(description: str = "") -> dict[str, Any]:
     return s
 
 
+def _named_list(description: str, *more: str) -> dict[str, Any]:
+    """A list of core/v1 objects: the keys the CEL rules read are declared (and required),
+    the rest is the API server's to check when the group's StatefulSet is created."""
+    keys = ("name",) + more
+    # Bounded (maxItems, maxLength) so the API server's CEL cost estimate of the rules stays
+    # within its budget (an unbounded list of unbounded strings is refused at CRD install).
+    item = {**_free_object(), "required": list(keys),
+            "properties": {k: {"type": "string", "maxLength": 253 if k == "name" else 1024} for k in keys}}
+    return {"type": "array", "description": description, "maxItems": 128, "items": item}
+
+
 def _free_list(description: str = "") -> dict[str, Any]:
     return {"type": "array", "description": description, "items": _free_object()}
 
 
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 
+# Non-negative quantities only (no sign; integers >= 0).
 _QUANTITY = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],
     "x-kubernetes-int-or-string": True,
-    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    "minimum": 0,  # applies to the integer form
+    "pattern": r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
 }
 
 
@@ -93,6 +166,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "description": "What to serve.",
         "required": ["source"],
+        "x-kubernetes-validations": [RULE_SOURCE_PATH, RULE_CACHE_SOURCE],
         "properties": {
             "source": {
                 "type": "string",
@@ -114,6 +188,19 @@ def spec_schema() -> dict[str, Any]:
                 },
             },
             "cacheSize": {**_QUANTITY, "description": "size limit of the hf:// download cache (emptyDir)"},
+            "cache": {
+                "type": "object",
+                "description": "hf:// only: a shared cache (a PVC per deployment) that a Job fills once per "
+                               "revision and every pod mounts read-only, instead of a download per pod",
+                "properties": {
+                    "enabled": {"type": "boolean", "default": False},
+                    "size": {**_QUANTITY, "default": "100Gi"},
+                    "storageClassName": {"type": "string", "maxLength": 253},
+                    "accessMode": {"type": "string", "default": "ReadWriteMany",
+                                   "enum": ["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"],
+                                   "description": "ReadWriteMany for groups on several nodes"},
+                },
+            },
         },
     }
     parallelism = {
@@ -129,7 +216,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "default": {},
         "description": "Runtime flags of `shoal serve`.",
-        "x-kubernetes-validations": [RULE_BATCH],
+        "x-kubernetes-validations": [RULE_BATCH, RULE_EXTRA_ARGS],
         "properties": {
             "maxNumSeqs": _int(256, 1, 65536),
             "maxNumBatchedTokens": _int(2048, 1, 1048576),
@@ -138,7 +225,7 @@ def spec_schema() -> dict[str, Any]:
             "enablePrefixCaching": {"type": "boolean", "default": True},
             "schedulingPolicy": {"type": "string", "default": "fcfs", "enum": ["fcfs", "priority"]},
             "drainTimeoutSeconds": _int(60, 0, 3600, "how long in-flight requests may finish on SIGTERM"),
-            "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+            "extraArgs": {"type": "array", "items": {"type": "string", "maxLength": 1024}, "maxItems": 64,
                           "description": "further `shoal serve` flags, appended verbatim"},
         },
     }
@@ -147,8 +234,8 @@ def spec_schema() -> dict[str, Any]:
         "description": "Per-pod resources. Naming an accelerator (e.g. nvidia.com/gpu) sets its "
                        "limit to parallelism.tensor.",
         "properties": {
-            "requests": {"type": "object", "additionalProperties": _QUANTITY},
-            "limits": {"type": "object", "additionalProperties": _QUANTITY},
+            "requests": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},
+            "limits": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},
         },
     }
     autoscaling = {
@@ -172,6 +259,29 @@ def spec_schema() -> dict[str, Any]:
         "properties": {
             "maxSurge": _int(1, 0, MAX_REPLICAS, "groups above replicas during a rollout"),
             "maxUnavailable": _int(0, 0, MAX_REPLICAS, "ready groups below replicas during a rollout"),
+            "partition": _int(0, 0, MAX_REPLICAS, "staged rollout: keep up to this many (ready) groups of "
+                                                  "older revisions; lower it to go on (as LeaderWorkerSet's)"),
+        },
+    }
+    placement = {
+        "type": "object",
+        "default": {},
+        "description": "Where a group's pods run.",
+        "properties": {
+            "colocateGroup": {"type": "string", "default": "Preferred", "enum": ["Preferred", "Required", "None"],
+                              "description": "pod affinity of a group's pods to each other within groupTopologyKey"},
+            "groupTopologyKey": {"type": "string", "default": "topology.kubernetes.io/zone", "maxLength": 316,
+                                 "description": "the domain a group's pods share (zone, rack, NVLink domain label)"},
+            "spreadGroups": {"type": "boolean", "default": True,
+                             "description": "spread groups across spreadTopologyKey (pods of the same rank apart)"},
+            "spreadTopologyKey": {"type": "string", "default": "kubernetes.io/hostname", "maxLength": 316},
+            "schedulerName": {"type": "string", "maxLength": 253,
+                              "description": "opt-in scheduler (e.g. a gang scheduler) for every pod"},
+            "gangScheduling": {"type": "string", "default": "None", "enum": ["None", "Kueue", "Volcano"],
+                               "description": "Kueue: label each group as a Kueue pod group of `pipeline` pods "
+                                              "(set kueue.x-k8s.io/queue-name in podTemplate.metadata.labels); "
+                                              "Volcano: a PodGroup per group (minMember `pipeline`), "
+                                              "schedulerName volcano unless set"},
         },
     }
     monitoring = {
@@ -181,7 +291,8 @@ def spec_schema() -> dict[str, Any]:
             "serviceMonitor": {"type": "boolean", "default": False,
                                "description": "render a ServiceMonitor and a PodMonitor "
                                               "(prometheus-operator) instead of scrape annotations"},
-            "interval": {"type": "string", "default": "15s", "pattern": r"^[0-9]+(ms|s|m|h)$"},
+            "interval": {"type": "string", "default": "15s", "pattern": r"^0*[1-9][0-9]*(ms|s|m|h)$",
+                         "description": "scrape interval, > 0"},
             "labels": {**_STRING_MAP, "description": "extra labels on the monitors (e.g. release: prometheus)"},
         },
     }
@@ -189,6 +300,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "default": {},
         "description": "Merged into every pod of every group.",
+        "x-kubernetes-validations": [RULE_VOLUMES, RULE_SHM_MOUNT, RULE_MOUNTS, RULE_ENV],
         "properties": {
             "metadata": {
                 "type": "object",
@@ -203,16 +315,17 @@ def spec_schema() -> dict[str, Any]:
             "schedulerName": {"type": "string"},
             "serviceAccountName": {"type": "string"},
             "imagePullSecrets": _free_list("core/v1 LocalObjectReference"),
-            "env": _free_list("core/v1 EnvVar (SHOAL_* names are reserved)"),
+            "env": _named_list("core/v1 EnvVar (SHOAL_* names are reserved)"),
             "envFrom": _free_list("core/v1 EnvFromSource"),
-            "volumes": _free_list("core/v1 Volume"),
-            "volumeMounts": _free_list("core/v1 VolumeMount"),
+            "volumes": _named_list("core/v1 Volume (dshm, model, model-cache are reserved)"),
+            "volumeMounts": _named_list("core/v1 VolumeMount (not at /dev/shm)", "mountPath"),
             "imagePullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
         },
     }
     return {
         "type": "object",
         "required": ["model"],
+        "x-kubernetes-validations": [RULE_ACCELERATORS],
         "properties": {
             "model": model,
             "replicas": _int(1, 0, MAX_REPLICAS, "pod groups (when autoscaling is off)"),
@@ -224,6 +337,12 @@ def spec_schema() -> dict[str, Any]:
             "autoscaling": autoscaling,
             "rollout": rollout,
             "monitoring": monitoring,
+            "placement": placement,
+            "restartPolicy": {"type": "string", "default": "RecreateGroupOnPodRestart",
+                              "enum": ["RecreateGroupOnPodRestart", "None"],
+                              "description": "RecreateGroupOnPodRestart: a failed pod or restarted container "
+                                             "restarts its whole group (the ranks cannot rejoin a running "
+                                             "group); None: the operator leaves it (reported as Degraded)"},
             "podTemplate": pod_template,
         },
     }
@@ -257,6 +376,7 @@ def status_schema() -> dict[str, Any]:
             "queueDepth": {"type": "integer"},
             "revision": {"type": "string"},
             "model": {"type": "string"},
+            "url": {"type": "string", "description": "the traffic Service's URL (OpenAI API under /v1)"},
             "groups": {
                 "type": "array",
                 "items": {
@@ -268,8 +388,23 @@ def status_schema() -> dict[str, Any]:
                         "pods": {"type": "integer", "description": "ready pods"},
                         "queueDepth": {"type": "integer"},
                         "restarts": {"type": "integer"},
+                        "recentRestarts": {"type": "integer", "description": "restarts in the last hour"},
+                        "lastRestartTime": {"type": "string", "format": "date-time"},
+                        "readySince": {"type": "string", "format": "date-time"},
                         "terminating": {"type": "boolean"},
                     },
+                },
+            },
+            "modelCache": {
+                "type": "object",
+                "description": "the shared model cache's download (spec.model.cache)",
+                "properties": {
+                    "phase": {"type": "string", "enum": ["Pending", "Fetching", "Ready", "Failed"]},
+                    "key": {"type": "string", "description": "hash of the source and revision it holds"},
+                    "job": {"type": "string"},
+                    "message": {"type": "string"},
+                    "startTime": {"type": "string", "format": "date-time"},
+                    "completionTime": {"type": "string", "format": "date-time"},
                 },
             },
             "autoscaler": {
@@ -280,10 +415,12 @@ def status_schema() -> dict[str, Any]:
                         "type": "array",
                         "items": {
                             "type": "object",
-                            "properties": {"time": {"type": "number"}, "replicas": {"type": "integer"}},
+                            "properties": {"time": {"type": "string", "format": "date-time"},
+                                           "replicas": {"type": "integer"},
+                                           "seed": {"type": "boolean"}},
                         },
                     },
-                    "lastScaleTime": {"type": "number"},
+                    "lastScaleTime": {"type": "string", "format": "date-time"},
                     "lastDirection": {"type": "string"},
                 },
             },
@@ -294,7 +431,8 @@ def status_schema() -> dict[str, Any]:
                 "x-kubernetes-list-map-keys": ["type"],
             },
         },
-        "x-kubernetes-preserve-unknown-fields": True,  # room for kopf's own bookkeeping
+        # No x-kubernetes-preserve-unknown-fields: kopf keeps its progress and diff base in
+        # annotations (main.configure), so status holds only what is declared here.
     }
 
 
@@ -302,7 +440,7 @@ def crd() -> dict[str, Any]:
     root = {
         "type": "object",
         "description": "A served model: pod groups running `shoal serve`, rolled out and autoscaled.",
-        "x-kubernetes-validations": [RULE_NAME],
+        "x-kubernetes-validations": [RULE_NAME, RULE_NAME_FORMAT],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
@@ -350,6 +488,7 @@ def crd() -> dict[str, Any]:
                     {"name": "Queue", "type": "integer", "jsonPath": ".status.queueDepth"},
                     {"name": "Available", "type": "string",
                      "jsonPath": ".status.conditions[?(@.type==\"Available\")].status"},
+                    {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
                     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                 ],
             }],

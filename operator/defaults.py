@@ -16,6 +16,7 @@ from shoal.operator import crd
 DEFAULT_IMAGE = "ghcr.io/shoal-dev/shoal:0.1.0"
 DEFAULT_GPU_IMAGE = "ghcr.io/shoal-dev/shoal:0.1.0-cuda"
 ACCELERATOR_SUFFIXES = ("/gpu",)  # nvidia.com/gpu, amd.com/gpu, gpu.intel.com/... are matched by suffix
+ACCELERATOR_PREFIXES = ("nvidia.com/mig-",)  # MIG slices (nvidia.com/mig-3g.40gb): one per rank too
 
 
 def _walk(value: Any, schema: dict[str, Any]) -> Any:
@@ -50,7 +51,11 @@ def default_spec(spec: dict[str, Any]) -> dict[str, Any]:
 def accelerator_keys(spec: dict[str, Any]) -> list[str]:
     res = spec.get("resources") or {}
     keys = set((res.get("limits") or {})) | set((res.get("requests") or {}))
-    return sorted(k for k in keys if k.endswith(ACCELERATOR_SUFFIXES))
+    return sorted(k for k in keys if is_accelerator(k))
+
+
+def is_accelerator(key: str) -> bool:
+    return key.endswith(ACCELERATOR_SUFFIXES) or key.startswith(ACCELERATOR_PREFIXES)
 
 
 def image_for(spec: dict[str, Any]) -> str:

@@ -6,6 +6,8 @@
   the children and advances a rollout even if a watch event was missed);
 - any change of a StatefulSet labelled `shoal.dev/deployment` (its status follows its
   pods' readiness): reconcile its owner, so a rollout advances as soon as a group is ready;
+- a change of a pod labelled `shoal.dev/deployment` that failed or whose container
+  restarted: reconcile its owner, so the group is restarted at once;
 - delete: forget the in-memory state (children go by ownerReferences; optional, so
   this adds no finalizer of its own; the timer makes kopf add one so the timer stops first).
 
@@ -25,6 +27,7 @@ from shoal.operator import crd, kube, render
 
 RESYNC_SECONDS = float(os.environ.get("SHOAL_OPERATOR_RESYNC_SECONDS", "10"))
 CLUSTER_DOMAIN = os.environ.get("SHOAL_CLUSTER_DOMAIN", "cluster.local")
+ALLOW_POD_SERVICE_ACCOUNT = os.environ.get("SHOAL_OPERATOR_ALLOW_POD_SERVICE_ACCOUNT", "0") == "1"
 
 _controller: controller_mod.Controller | None = None
 
@@ -40,7 +43,8 @@ def _event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
 def get_controller() -> controller_mod.Controller:
     global _controller
     if _controller is None:
-        _controller = controller_mod.Controller(kube.default, events=_event, cluster_domain=CLUSTER_DOMAIN)
+        _controller = controller_mod.Controller(kube.default, events=_event, cluster_domain=CLUSTER_DOMAIN,
+                                                allow_service_account=ALLOW_POD_SERVICE_ACCOUNT)
     return _controller
 
 
@@ -66,6 +70,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Scanning notices CRDs and namespaces appearing later; off only where the API cannot list
     # namespaces (e.g. the KMock emulator in tests/operator).
     settings.scanning.disabled = os.environ.get("SHOAL_OPERATOR_SCANNING", "1") == "0"
+    # kopf filters handler labels client-side: without these the pod and StatefulSet watches
+    # would stream every pod and StatefulSet of the watched namespaces. Only ours, server-side.
+    settings.watching.label_selectors["v1", "pods"] = render.L_DEPLOYMENT
+    settings.watching.label_selectors["apps", "statefulsets"] = render.L_DEPLOYMENT
     get_controller()
 
 
@@ -94,6 +102,19 @@ def child_changed(namespace: str, labels: dict[str, str], type: str | None, **_:
         get_controller().trigger(namespace, labels[render.L_DEPLOYMENT])
     except Exception as e:  # the next event or the timer retries
         logging.getLogger("shoal.operator").warning("reconcile after a child change failed: %s", e)
+
+
+# Pods of our groups (server-side label selector, see configure), only those that failed or whose
+# container restarted: a group failure is acted on at once, not at the next resync.
+@kopf.on.event("", "v1", "pods", labels={render.L_DEPLOYMENT: kopf.PRESENT},
+               when=lambda body, **_: controller_mod.pod_failed(body))
+def pod_failed(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
+    if type is None:
+        return  # the initial listing: resume/timers cover it
+    try:
+        get_controller().trigger(namespace, labels[render.L_DEPLOYMENT])
+    except Exception as e:  # the next event or the timer retries
+        logging.getLogger("shoal.operator").warning("reconcile after a pod failure failed: %s", e)
 
 
 @kopf.on.delete(crd.GROUP, crd.VERSION, crd.PLURAL, optional=True)

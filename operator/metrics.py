@@ -69,10 +69,13 @@ def group_restarted(namespace: str, name: str) -> None:
 
 
 def forget(namespace: str, name: str) -> None:
-    """Drop the per-resource series of a deleted InferenceDeployment."""
-    for gauge in (DESIRED_GROUPS, READY_GROUPS):
+    """Drop every per-resource series of a deleted InferenceDeployment (gauges and counters)."""
+    for gauge in (DESIRED_GROUPS, READY_GROUPS, GROUP_RESTARTS):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, name)
+    for direction in ("up", "down", "hold"):
+        with contextlib.suppress(KeyError):
+            AUTOSCALER_DECISIONS.remove(namespace, name, direction)
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:

@@ -9,6 +9,9 @@ One InferenceDeployment `NAME` owns:
   that workers find their leader (`SHOAL_LEADER_ADDR`) before the group is ready;
 - `NAME`: the traffic Service over the ready leaders (pod index 0), port 8000;
 - `NAME`: a PodDisruptionBudget (one pod, so one group, at a time);
+- per group: a NetworkPolicy `NAME-REV-IDX`: only the group's pods reach its pods but
+  for the HTTP port, and with Volcano gang scheduling a PodGroup `NAME-REV-IDX` (both
+  created before the group's StatefulSet and deleted with it);
 - with `monitoring.serviceMonitor`: a ServiceMonitor `NAME` (leaders, via the traffic
   Service) and a PodMonitor `NAME-pods` (every group pod), else scrape annotations.
 
@@ -18,9 +21,11 @@ owner has a uid, a controller ownerReference to it.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import posixpath
+import re
 from typing import Any
 
 from shoal.operator import crd, defaults
@@ -33,6 +38,10 @@ STARTUP_SECONDS = 1800         # ceiling for loading a model; the probe passes a
 PRESTOP_SLEEP_SECONDS = 5      # lets endpoint removal reach the proxies before SIGTERM
 GRACE_MARGIN_SECONDS = 15
 RUN_AS_USER = 1000
+# readOnlyRootFilesystem: what the runtime writes goes to emptyDirs (torch/Triton caches,
+# HF_HOME under HOME=/home/shoal in the images, temporary files).
+WRITABLE_DIRS = (("tmp", "/tmp"), ("home", "/home/shoal"))
+WRITABLE_DIR_SIZE = "4Gi"
 FIELD_MANAGER = "shoal-operator"
 
 L_DEPLOYMENT = "shoal.dev/deployment"
@@ -43,6 +52,9 @@ L_INDEX = "shoal.dev/group-index"
 L_POD_INDEX = "apps.kubernetes.io/pod-index"
 A_SPEC_HASH = "shoal.dev/spec-hash"
 A_MODEL_REVISION = "shoal.dev/model-revision"
+L_KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
+A_KUEUE_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+A_VOLCANO_GROUP = "scheduling.k8s.io/group-name"
 RESERVED_ENV_PREFIX = "SHOAL_"
 
 
@@ -62,6 +74,11 @@ def headless_name(name: str) -> str:
 
 def leader_addr(name: str, namespace: str, group: str, cluster_domain: str = "cluster.local") -> str:
     return f"{group}-0.{headless_name(name)}.{namespace}.svc.{cluster_domain}"
+
+
+def serving_url(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
+    """Where clients reach the model: the traffic Service (OpenAI-compatible API under /v1)."""
+    return f"http://{name}.{namespace}.svc.{cluster_domain}:{HTTP_PORT}"
 
 
 def common_labels(name: str) -> dict[str, str]:
@@ -125,7 +142,43 @@ def canonical_hash(obj: Any, length: int = 16) -> str:
 
 # ---------------------------------------------------------------- model sources
 
-def model_plan(spec: dict[str, Any]) -> dict[str, Any]:
+def model_cache_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
+def model_cache_key(spec: dict[str, Any]) -> str:
+    """What the shared cache must hold: one download per (source, revision)."""
+    return canonical_hash([spec["model"]["source"], spec["model"].get("revision", "main")], length=8)
+
+
+def uses_model_cache(spec: dict[str, Any]) -> bool:
+    return spec["model"]["source"].startswith("hf://") and bool((spec["model"].get("cache") or {}).get("enabled"))
+
+
+def _fetch_env(model: dict[str, Any], repo: str, target: str) -> list[dict[str, Any]]:
+    env = [
+        {"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
+        {"name": "SHOAL_MODEL_REPO", "value": repo},
+        {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
+        {"name": "SHOAL_MODEL_DIR", "value": target},
+    ]
+    secret = model.get("tokenSecret")
+    if secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["name"], "key": secret.get("key", "token")}}})
+    return env
+
+
+FETCH_SCRIPT = (
+    "import os\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
+    " revision=os.environ['SHOAL_MODEL_REVISION'],"
+    " local_dir=os.environ['SHOAL_MODEL_DIR'])\n"
+)
+
+
+def model_plan(spec: dict[str, Any], name: str = "") -> dict[str, Any]:
     """How the pod gets the model: the MODEL argument, volumes, mounts, init containers."""
     model = spec["model"]
     source: str = model["source"]
@@ -137,6 +190,13 @@ def model_plan(spec: dict[str, Any]) -> dict[str, Any]:
         plan["arg"] = posixpath.join(MODEL_MOUNT, path) if path else MODEL_MOUNT
         plan["volumes"].append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         plan["mounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif source.startswith("hf://") and uses_model_cache(spec):
+        # The shared cache: filled once by the fetch Job (one directory per revision), read-only here.
+        repo = source[len("hf://"):]
+        plan["arg"] = posixpath.join(MODEL_MOUNT, repo, model_cache_key(spec))
+        plan["volumes"].append({"name": "model-cache", "persistentVolumeClaim": {
+            "claimName": model_cache_name(name), "readOnly": True}})
+        plan["mounts"].append({"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": True})
     elif source.startswith("hf://"):
         repo = source[len("hf://"):]
         target = posixpath.join(MODEL_MOUNT, repo)
@@ -146,27 +206,10 @@ def model_plan(spec: dict[str, Any]) -> dict[str, Any]:
             cache["sizeLimit"] = model["cacheSize"]
         plan["volumes"].append({"name": "model-cache", "emptyDir": cache})
         plan["mounts"].append({"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": True})
-        env = [
-            {"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
-            {"name": "SHOAL_MODEL_REPO", "value": repo},
-            {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
-            {"name": "SHOAL_MODEL_DIR", "value": target},
-        ]
-        secret = model.get("tokenSecret")
-        if secret:
-            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-                "name": secret["name"], "key": secret.get("key", "token")}}})
-        script = (
-            "import os\n"
-            "from huggingface_hub import snapshot_download\n"
-            "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
-            " revision=os.environ['SHOAL_MODEL_REVISION'],"
-            " local_dir=os.environ['SHOAL_MODEL_DIR'])\n"
-        )
         plan["init"].append({
             "name": "fetch-model",
-            "command": ["python3", "-c", script],
-            "env": env,
+            "command": ["python3", "-c", FETCH_SCRIPT],
+            "env": _fetch_env(model, repo, target),
             "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT}],
         })
     return plan
@@ -224,7 +267,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     namespace = body["metadata"].get("namespace") or "default"
     par = spec["parallelism"]
     user = spec.get("podTemplate") or {}
-    model = model_plan(spec)
+    model = model_plan(spec, name)
 
     env: list[dict[str, Any]] = [
         {"name": "SHOAL_PIPELINE_RANK", "valueFrom": {"fieldRef": {
@@ -232,6 +275,8 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         {"name": "SHOAL_PIPELINE_SIZE", "value": str(par["pipeline"])},
         {"name": "SHOAL_TENSOR_SIZE", "value": str(par["tensor"])},
         {"name": "SHOAL_DIST_PORT", "value": str(DIST_PORT)},
+        # worker pods keep serving this long after SIGTERM, until the leader has drained the group
+        {"name": "SHOAL_DRAIN_TIMEOUT", "value": str(spec["engine"]["drainTimeoutSeconds"])},
         {"name": "SHOAL_MODEL_REVISION", "value": spec["model"].get("revision", "main")},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -268,12 +313,14 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
             "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3,
         },
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}] + model["mounts"]
-                        + list(user.get("volumeMounts") or []),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]
+                        + [{"name": v, "mountPath": path} for v, path in WRITABLE_DIRS]
+                        + model["mounts"] + list(user.get("volumeMounts") or []),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -284,8 +331,9 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
 
     init: list[dict[str, Any]] = []
     for ic in model["init"]:
-        init.append({**ic, "image": container["image"], "securityContext": container["securityContext"],
-                     "resources": {}})
+        mounts = list(ic.get("volumeMounts") or []) + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS]
+        init.append({**ic, "volumeMounts": mounts, "image": container["image"],
+                     "securityContext": container["securityContext"], "resources": {}})
     if par["pipeline"] > 1:
         # Workers join the leader: wait until the leader's rendezvous port answers (rank 0 skips).
         wait = (
@@ -311,7 +359,10 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}}]
+                   + [{"name": v, "emptyDir": {"sizeLimit": WRITABLE_DIR_SIZE}} for v, _ in WRITABLE_DIRS]
                    + model["volumes"] + list(user.get("volumes") or []),
+        # The runtime talks to no Kubernetes API: no token in its pods.
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain + GRACE_MARGIN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
@@ -324,21 +375,117 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     }
     if init:
         pod_spec["initContainers"] = init
+    # serviceAccountName only reaches here where the operator allows it (validate.problems).
     for key in ("nodeSelector", "affinity", "priorityClassName", "runtimeClassName", "schedulerName",
                 "serviceAccountName", "imagePullSecrets", "tolerations", "topologySpreadConstraints"):
         if user.get(key):
-            pod_spec[key] = user[key]
+            pod_spec[key] = copy.deepcopy(user[key])
+    # The group's own value where it is known; the revision's template (group=None, what is
+    # hashed) carries a placeholder, so that a placement change is a new revision too.
+    group_value = group if group is not None else "GROUP"
+    place = spec["placement"]
+    affinity = placement_affinity(place, group_value)
+    if affinity:
+        ours = pod_spec.setdefault("affinity", {}).setdefault("podAffinity", {})
+        for kind, terms in affinity.items():
+            ours[kind] = list(ours.get(kind) or []) + terms
+    if place["spreadGroups"]:
+        pod_spec["topologySpreadConstraints"] = list(pod_spec.get("topologySpreadConstraints") or []) + [{
+            # pods of the same pipeline rank apart: so the groups are
+            "maxSkew": 1, "topologyKey": place["spreadTopologyKey"], "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {L_DEPLOYMENT: name}}, "matchLabelKeys": [L_POD_INDEX],
+        }]
+    if place.get("schedulerName"):
+        pod_spec["schedulerName"] = place["schedulerName"]
 
     user_meta = user.get("metadata") or {}
     labels = {**(user_meta.get("labels") or {}), **common_labels(name)}
     annotations = {**(user_meta.get("annotations") or {}), **scrape_annotations(spec),
                    A_MODEL_REVISION: spec["model"].get("revision", "main")}
+    if place["gangScheduling"] == "Kueue":
+        # Kueue's plain pod groups: admitted (and scheduled) all `pipeline` pods or none.
+        labels[L_KUEUE_GROUP] = group_value
+        annotations[A_KUEUE_COUNT] = str(par["pipeline"])
+    elif place["gangScheduling"] == "Volcano":
+        # Volcano gang-schedules the pods of the group's PodGroup (volcano_pod_group).
+        annotations[A_VOLCANO_GROUP] = group_value
+        pod_spec["schedulerName"] = place.get("schedulerName") or "volcano"
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def placement_affinity(place: dict[str, Any], group: str) -> dict[str, list[dict[str, Any]]]:
+    """Pod affinity that keeps a group's pods within one `groupTopologyKey` domain."""
+    term = {"labelSelector": {"matchLabels": {L_GROUP: group}}, "topologyKey": place["groupTopologyKey"]}
+    if place["colocateGroup"] == "Required":
+        return {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+    if place["colocateGroup"] == "Preferred":
+        return {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}
+    return {}
 
 
 def revision_hash(body: dict[str, Any]) -> str:
     """Hash of everything that reaches a pod (the group-independent pod template)."""
     return canonical_hash(pod_template(body, group=None), length=8)
+
+
+# ---------------------------------------------------------------- drift
+
+# Maps the API server replaces whole on apply (mapType atomic), so a key someone else
+# added there is drift we can repair: compare them exactly, not as a subset.
+ATOMIC_MAPS = ("selector", "matchLabels")
+_META_KEYS = ("labels", "annotations", "ownerReferences")
+
+
+def drift(desired: Any, live: Any, path: str = "") -> list[str]:
+    """Where a live object no longer holds what the operator set (paths), [] if it does.
+
+    The desired object is compared as a subset of the live one: fields the API server
+    defaults or other tools add are not drift, a changed or missing field we set is
+    (a StatefulSet scaled by hand, a Service selector given an extra label). Scalars are
+    compared as strings: the server returns quantities such as `2` as "2".
+    """
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return [path or "/"]
+        if path.rsplit(".", 1)[-1] in ATOMIC_MAPS and all(not isinstance(v, (dict, list)) for v in desired.values()):
+            same = {k: str(v) for k, v in desired.items()} == {k: str(v) for k, v in live.items()}
+            return [] if same else [path]
+        out: list[str] = []
+        for key, want in desired.items():
+            if path == "metadata" and key not in _META_KEYS:
+                continue  # name/namespace address the object; the rest is the server's
+            if key not in live:
+                out.append(f"{path}.{key}".lstrip("."))
+            else:
+                out += drift(want, live[key], f"{path}.{key}".lstrip("."))
+        return out
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return [path]
+        return [p for i, (a, b) in enumerate(zip(desired, live)) for p in drift(a, b, f"{path}[{i}]")]
+    if str(desired) == str(live):
+        return []
+    a, b = _quantity(desired), _quantity(live)
+    return [] if a is not None and a == b else [path]
+
+
+_SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+           "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)(n|u|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+def _quantity(value: Any) -> float | None:
+    """A Kubernetes quantity's value (the server returns `0.5` as "500m", `1024Mi` as "1Gi"),
+    or None for anything else."""
+    if isinstance(value, bool):
+        return None
+    m = _QUANTITY_RE.match(str(value))
+    if not m:
+        return None
+    try:
+        return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------- objects
@@ -369,6 +516,112 @@ def group_statefulset(body: dict[str, Any], revision: str, index: int,
             "template": template,
         },
     })
+
+
+def group_network_policy(body: dict[str, Any], revision: str, index: int) -> dict[str, Any]:
+    """Only the group's own pods reach its pods, but for the HTTP port (traffic, probes,
+    scraping): the rendezvous store (DIST_PORT) is unauthenticated, and the ranks' gloo/NCCL
+    connections use ports of their own."""
+    name = body["metadata"]["name"]
+    group = group_name(name, revision, index)
+    group_labels = {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}
+    mine = {"matchLabels": {L_DEPLOYMENT: name, L_GROUP: group}}
+    return _stamp({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(body, group, group_labels),
+        "spec": {
+            "podSelector": mine,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"protocol": "TCP", "port": HTTP_PORT}]},
+                {"from": [{"podSelector": mine}]},
+            ],
+        },
+    })
+
+
+def model_cache_pvc(body: dict[str, Any]) -> dict[str, Any]:
+    """The deployment's shared model cache (spec.model.cache): every group mounts it read-only."""
+    name = body["metadata"]["name"]
+    cache = body["spec"]["model"]["cache"]
+    spec: dict[str, Any] = {"accessModes": [cache["accessMode"]],
+                            "resources": {"requests": {"storage": cache["size"]}}}
+    if cache.get("storageClassName"):
+        spec["storageClassName"] = cache["storageClassName"]
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(body, model_cache_name(name), {"shoal.dev/model-cache": "true"}),
+        "spec": spec,
+    })
+
+
+def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
+    """The Job that downloads the current (source, revision) into the shared cache, once."""
+    name, spec = body["metadata"]["name"], body["spec"]
+    key = model_cache_key(spec)
+    repo = spec["model"]["source"][len("hf://"):]
+    tpl = pod_template(body, None)["spec"]
+    user = spec.get("podTemplate") or {}
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": tpl["securityContext"],
+        "enableServiceLinks": False,
+        "containers": [{
+            "name": "fetch-model",
+            "image": defaults.image_for(spec),
+            "command": ["python3", "-c", FETCH_SCRIPT],
+            "env": _fetch_env(spec["model"], repo, posixpath.join(MODEL_MOUNT, repo, key)),
+            "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT}]
+                            + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS],
+            "securityContext": tpl["containers"][0]["securityContext"],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }],
+        "volumes": [{"name": "model-cache", "persistentVolumeClaim": {"claimName": model_cache_name(name)}}]
+                   + [{"name": v, "emptyDir": {"sizeLimit": WRITABLE_DIR_SIZE}} for v, _ in WRITABLE_DIRS],
+    }
+    for key_ in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName"):
+        if user.get(key_):
+            pod[key_] = copy.deepcopy(user[key_])
+    labels = {"shoal.dev/model-cache": "true", "shoal.dev/model-key": key}
+    return _stamp({
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(body, f"{name}-fetch-{key}", labels),
+        "spec": {
+            "backoffLimit": 4,
+            # Done jobs (and their pods) go after an hour: status keeps the Ready; a failed one is
+            # then created again, which is a retry.
+            "ttlSecondsAfterFinished": 3600,
+            "template": {"metadata": {"labels": {**common_labels(name), **labels}}, "spec": pod},
+        },
+    })
+
+
+def volcano_pod_group(body: dict[str, Any], revision: str, index: int) -> dict[str, Any]:
+    """placement.gangScheduling Volcano: the group's PodGroup (all `pipeline` pods or none)."""
+    name = body["metadata"]["name"]
+    group = group_name(name, revision, index)
+    return _stamp({
+        "apiVersion": "scheduling.volcano.sh/v1beta1",
+        "kind": "PodGroup",
+        "metadata": _meta(body, group, {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}),
+        "spec": {"minMember": body["spec"]["parallelism"]["pipeline"]},
+    })
+
+
+# Objects that live and die with one group: (apiVersion, kind) and how to render them.
+COMPANION_KINDS = (("networking.k8s.io/v1", "NetworkPolicy"), ("scheduling.volcano.sh/v1beta1", "PodGroup"))
+
+
+def group_companions(body: dict[str, Any], revision: str, index: int) -> list[dict[str, Any]]:
+    """What a group needs besides its StatefulSet, created before it and deleted with it."""
+    out = [group_network_policy(body, revision, index)]
+    if body["spec"]["placement"]["gangScheduling"] == "Volcano":
+        out.append(volcano_pod_group(body, revision, index))
+    return out
 
 
 def headless_service(body: dict[str, Any]) -> dict[str, Any]:
@@ -463,6 +716,8 @@ def pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
 def shared_objects(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The objects that do not depend on groups (Services, PDB, monitors)."""
     objs = [headless_service(body), traffic_service(body), pod_disruption_budget(body)]
+    if uses_model_cache(body["spec"]):
+        objs.append(model_cache_pvc(body))
     if body["spec"]["monitoring"]["serviceMonitor"]:
         objs += [service_monitor(body), pod_monitor(body)]
     return objs
@@ -492,5 +747,8 @@ def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> l
     """Everything the controller creates for a fresh resource (defaults applied first)."""
     body = defaults.apply_defaults(body)
     revision = revision_hash(body)
-    groups = [group_statefulset(body, revision, i, cluster_domain) for i in range(desired_replicas(body))]
-    return shared_objects(body) + groups
+    groups = []
+    for i in range(desired_replicas(body)):
+        groups += group_companions(body, revision, i) + [group_statefulset(body, revision, i, cluster_domain)]
+    fetch = [model_fetch_job(body)] if uses_model_cache(body["spec"]) else []
+    return shared_objects(body) + fetch + groups

@@ -12,6 +12,11 @@ Deployment's rolling update over ReplicaSets but with one group as the unit:
 - on scale-down the least-loaded groups go first (not-ready ones before any).
 
 Terminating groups (being drained and deleted) count for nothing.
+
+`partition` (a staged rollout, as LeaderWorkerSet's): up to `partition` ready groups of
+older revisions are kept, and only `replicas - kept` groups move to the new revision;
+lower it step by step to finish (0 rolls everything). It holds back an update only:
+with no old groups (a new resource) every group is of the current revision.
 """
 
 from __future__ import annotations
@@ -55,16 +60,27 @@ def free_indices(used: set[int], count: int) -> list[int]:
     return out
 
 
-def plan(groups: Sequence[Group], revision: str, replicas: int, max_surge: int, max_unavailable: int) -> Plan:
+def kept_by_partition(groups: Sequence[Group], revision: str, replicas: int, partition: int) -> list[Group]:
+    """The old-revision groups a partition keeps: ready ones, the most useful first."""
+    old_ready = [g for g in groups if not g.terminating and g.revision != revision and g.ready]
+    return list(reversed(removal_order(old_ready)))[:max(0, min(partition, replicas))]
+
+
+def plan(groups: Sequence[Group], revision: str, replicas: int, max_surge: int, max_unavailable: int,
+         partition: int = 0) -> Plan:
     if max_surge <= 0 and max_unavailable <= 0:
         max_surge = 1  # the CRD forbids this; never deadlock if it slips through
     live = [g for g in groups if not g.terminating]
+    kept = kept_by_partition(live, revision, replicas, partition)
     new = [g for g in live if g.revision == revision]
-    old = [g for g in live if g.revision != revision]
+    old = [g for g in live if g.revision != revision and g not in kept]
     ready = sum(g.ready for g in live)
     floor = max(0, replicas - max_unavailable)
     ceiling = replicas + max_surge
     p = Plan()
+    if kept:
+        p.reasons.append(f"partition {partition}: keeping {len(kept)} old group(s)")
+    replicas -= len(kept)   # what the current revision must provide
 
     # Too many groups of the current revision (scale-down): drop the least useful.
     excess_new = len(new) - replicas

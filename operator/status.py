@@ -4,9 +4,19 @@
   ready group when any is desired); reasons MinimumGroupsAvailable / MinimumGroupsUnavailable.
 - `Progressing`: True while a rollout or a scale is under way (reasons RolloutInProgress,
   ScalingUp, ScalingDown, WaitingForGroups); False with reason RolloutComplete when every
-  group is ready on the current revision and the count matches.
-- `Degraded`: True when a group is failing (being restarted) or the last reconcile failed
-  (reasons GroupFailing, ReconcileError); else False/AsExpected.
+  group is ready on the current revision and the count matches, or PartitionReached
+  when `rollout.partition` keeps older groups and the rest is done.
+- `Ready`: True when the resource is done: Available and the rollout complete (every
+  desired group ready on the current revision), so `kubectl wait --for=condition=Ready`
+  and kstatus-based tools (Flux `wait: true`) wait for the rollout; reasons AllGroupsReady,
+  else Progressing's reason, or MinimumGroupsUnavailable.
+- a spec the operator refuses (validate.py): `Ready`, `Degraded` and `Progressing` say
+  InvalidSpec with the problems, `Available` and the rest stay as they were (no child
+  is touched, so groups that serve keep serving).
+- `Degraded`: True when a group is failing (being restarted), when a restarted group has
+  not yet been ready for STABLE_SECONDS since (so a crash-looping group stays Degraded
+  between its restarts, for Argo CD and Flux to see), or the last reconcile failed
+  (reasons GroupFailing, GroupRecovering, ReconcileError); else False/AsExpected.
 
 Every condition carries `observedGeneration`; `lastTransitionTime` changes only when
 the condition's status changes.
@@ -18,11 +28,37 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shoal.operator.rollout import Group
+from shoal.operator.rollout import Group, kept_by_partition
+
+STABLE_SECONDS = 120            # a restarted group must be ready this long before Degraded clears
+RESTART_WINDOW_SECONDS = 3600   # restarts counted in the message and status.groups[].recentRestarts
 
 
 def now_rfc3339(now: float) -> str:
     return datetime.datetime.fromtimestamp(now, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(value: str | None) -> float | None:
+    if not value:
+        return None
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def ready_since(g: Group, previous: Mapping[str, Any] | None, now: float) -> str | None:
+    """When the group last turned ready (kept from the previous status while it stays ready)."""
+    if not g.ready:
+        return None
+    if previous and previous.get("ready") and previous.get("readySince"):
+        return previous["readySince"]
+    return now_rfc3339(now)
+
+
+def recovering(last_restart: float | None, since: str | None, now: float) -> bool:
+    """Restarted, and not yet ready for STABLE_SECONDS since (within the restart window)."""
+    if last_restart is None or now - last_restart >= RESTART_WINDOW_SECONDS:
+        return False
+    t = parse_rfc3339(since)
+    return t is None or t < last_restart or now - t < STABLE_SECONDS
 
 
 def condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
@@ -54,6 +90,8 @@ def build(
     error: str | None = None,
     autoscaler: Mapping[str, Any] | None = None,
     now: float,
+    url: str | None = None,
+    model_cache: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     spec = body["spec"]
     prev = body.get("status") or {}
@@ -68,24 +106,47 @@ def build(
     floor = max(desired - max_unavailable, 1 if desired > 0 else 0)
     queue = int(round(sum(g.load for g in ready)))
 
+    kept = kept_by_partition(live, revision, desired, spec["rollout"].get("partition", 0))
+    old = [g for g in old if g not in kept]
+    want = desired - len(kept)
     available = len(ready) >= floor
-    complete = not old and len(updated) == desired and len(updated_ready) == desired
-    if complete:
+    complete = not old and len(updated) == want and len(updated_ready) == want
+    if complete and kept:
+        prog = (False, "PartitionReached", f"{want} group(s) ready on revision {revision}, "
+                f"{len(kept)} older group(s) kept by rollout.partition")
+    elif complete:
         prog = (False, "RolloutComplete", f"{desired} group(s) ready on revision {revision}")
+    elif model_cache and model_cache.get("phase") != "Ready" and len(updated) < want:
+        prog = (True, "FetchingModel", f"the model cache is {model_cache.get('phase')}: "
+                f"{model_cache.get('message', '')} (Job {model_cache.get('job')})")
     elif old:
         prog = (True, "RolloutInProgress",
                 f"{len(updated_ready)}/{desired} group(s) ready on revision {revision}, {len(old)} old group(s) left")
-    elif len(updated) < desired:
-        prog = (True, "ScalingUp", f"{len(updated)}/{desired} group(s) exist, {len(updated_ready)} ready")
-    elif len(updated) > desired:
+    elif len(updated) < want:
+        prog = (True, "ScalingUp", f"{len(updated)}/{want} group(s) exist, {len(updated_ready)} ready")
+    elif len(updated) > want:
         prog = (True, "ScalingDown", f"{len(updated)} group(s) exist, {desired} desired")
     else:
         prog = (True, "WaitingForGroups", f"{len(updated_ready)}/{desired} group(s) ready")
 
+    prev_groups = {g.get("name"): g for g in prev.get("groups") or []}
+    since = {g.name: ready_since(g, prev_groups.get(g.name), now) for g in groups}
+    restarted = {g.name: group_details.get(g.name, {}) for g in live}
+    healing = sorted(n for n, d in restarted.items() if recovering(d.get("lastRestart"), since[n], now))
     if error:
         deg = (True, "ReconcileError", error)
+    elif model_cache and model_cache.get("phase") == "Failed":
+        deg = (True, "ModelFetchFailed", str(model_cache.get("message", "")))
+    elif failing and spec.get("restartPolicy") == "None":
+        deg = (True, "GroupFailing", "failing group(s), not restarted (restartPolicy None): "
+               + ", ".join(sorted(failing)))
     elif failing:
         deg = (True, "GroupFailing", "restarting group(s): " + ", ".join(sorted(failing)))
+    elif healing:
+        counts = ", ".join(f"{n} ({int(restarted[n].get('recentRestarts', 0))} in "
+                           f"{RESTART_WINDOW_SECONDS // 60}m)" for n in healing)
+        deg = (True, "GroupRecovering",
+               f"restarted group(s) not yet ready for {STABLE_SECONDS}s: {counts}")
     else:
         deg = (False, "AsExpected", "no failing groups")
 
@@ -97,6 +158,13 @@ def build(
         condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now),
         condition("Degraded", deg[0], deg[1], deg[2], generation, previous, now),
     ]
+    if available and complete:
+        rdy = (True, "AllGroupsReady", f"{desired} group(s) ready on revision {revision}")
+    elif not available:
+        rdy = (False, "MinimumGroupsUnavailable", conditions[0]["message"])
+    else:
+        rdy = (False, prog[1], prog[2])
+    conditions.insert(0, condition("Ready", rdy[0], rdy[1], rdy[2], generation, previous, now))
 
     status: dict[str, Any] = {
         "replicas": len(live),
@@ -107,6 +175,7 @@ def build(
         "queueDepth": queue,
         "revision": revision,
         "model": spec["model"]["source"],
+        **({"url": url} if url else {}),
         "groups": [
             {
                 "name": g.name,
@@ -115,7 +184,11 @@ def build(
                 "pods": int(group_details.get(g.name, {}).get("readyPods", 0)),
                 "queueDepth": int(round(g.load)),
                 "restarts": int(group_details.get(g.name, {}).get("restarts", 0)),
+                "recentRestarts": int(group_details.get(g.name, {}).get("recentRestarts", 0)),
                 "terminating": g.terminating,
+                **({"readySince": since[g.name]} if since[g.name] else {}),
+                **({"lastRestartTime": now_rfc3339(group_details[g.name]["lastRestart"])}
+                   if group_details.get(g.name, {}).get("lastRestart") else {}),
             }
             for g in sorted(groups, key=lambda g: g.name)
         ],
@@ -125,6 +198,8 @@ def build(
         status["observedGeneration"] = generation
     if autoscaler is not None:
         status["autoscaler"] = dict(autoscaler)
+    if model_cache is not None:
+        status["modelCache"] = dict(model_cache)
     return status
 
 
@@ -135,3 +210,21 @@ def same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         d["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in d.get("conditions") or []]
         return d
     return strip(a) == strip(b)
+
+
+def refused(body: Mapping[str, Any], problems: Sequence[str], now: float) -> dict[str, Any]:
+    """The status of a spec that cannot be rendered: the reasons, nothing else changed."""
+    prev = body.get("status") or {}
+    generation = body["metadata"].get("generation")
+    previous = prev.get("conditions") or []
+    message = "; ".join(problems)[:1000]
+    changed = [
+        condition("Ready", False, "InvalidSpec", message, generation, previous, now),
+        condition("Progressing", False, "InvalidSpec", message, generation, previous, now),
+        condition("Degraded", True, "InvalidSpec", message, generation, previous, now),
+    ]
+    kept = [c for c in previous if c.get("type") not in {c["type"] for c in changed}]
+    out: dict[str, Any] = {"conditions": changed + kept}
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out

@@ -6,6 +6,8 @@
 --       -> Progressing  (the operator has not acted on the latest spec; an old
 --                        Degraded condition says nothing about the new one)
 --   condition Degraded=True                                   -> Degraded
+--   Available=True and Progressing reason PartitionReached
+--   (rollout.partition holds older groups: a staged rollout) -> Suspended
 --   Available=True and updatedReplicas == replicas (and every
 --   condition written for the current generation)             -> Healthy
 --   anything else (a rollout under way, groups loading)       -> Progressing
@@ -77,6 +79,13 @@ local progressing = condition(status, "Progressing")
 local replicas = status.replicas or 0
 local updated = status.updatedReplicas or 0
 local ready = status.readyReplicas or 0
+
+if available ~= nil and available.status == "True" and not stale(available, generation)
+    and progressing ~= nil and progressing.reason == "PartitionReached" and not stale(progressing, generation) then
+  hs.status = "Suspended"
+  hs.message = describe(progressing, "Staged rollout held by rollout.partition")
+  return hs
+end
 
 if available ~= nil and available.status == "True" and not stale(available, generation)
     and updated == replicas then

@@ -12,7 +12,8 @@ pipeline_rank * tensor + tensor_rank, and global rank 0 (the leader) runs the en
   `SHOAL_PIPELINE_RANK` > 0 never builds an engine: `worker_pod.run_worker_pod_if_needed` runs its
   first rank in-process and its other `tensor - 1` ranks as children, serves a minimal
   `/health` and `/ready` on the HTTP port (the operator probes every pod), and returns
-  True when the leader tells the group to stop.
+  True when the leader tells the group to stop. SIGTERM does not end a worker pod: the
+  leader drains the group's in-flight requests first (worker_pod.keep_serving_on_sigterm).
 
 Every rank then joins one torch.distributed world through the leader's store (gloo on
 CPU, NCCL on CUDA for the tensor/pipeline data; a gloo group always carries the leader's

@@ -5,11 +5,16 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 import sys
 import threading
 
 from shoal.runtime.executor.launch import group_from_env, option
 from shoal.runtime.executor.worker import run_rank
+
+log = logging.getLogger(__name__)
 
 
 def serve_probes(host: str, port: int, is_ready) -> object:
@@ -41,6 +46,52 @@ def serve_probes(host: str, port: int, is_ready) -> object:
     return server
 
 
+ENV_DRAIN_TIMEOUT = "SHOAL_DRAIN_TIMEOUT"  # the operator renders --drain-timeout here too
+DEFAULT_DRAIN_TIMEOUT = 30.0                # `shoal serve --drain-timeout`'s default
+WORKER_DRAIN_MARGIN = 10.0                  # the leader's shutdown after its drain (< the pod's grace margin)
+
+
+def keep_serving_on_sigterm(timeout: float, exit_=os._exit) -> bool:
+    """A worker pod's SIGTERM: keep serving, since the group's in-flight requests need every
+    stage, until the leader (which drains on its own SIGTERM) stops the group; exit 0 after
+    `timeout` + WORKER_DRAIN_MARGIN seconds if it never does.
+
+    Kubernetes signals every pod of a group at once: a worker that died at once would fail
+    the leader's drain. The main thread may sit in a blocking collective (where Python
+    handlers do not run), so the signal reaches a thread through the wakeup fd.
+    False (nothing installed) off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # not the default (die); the thread below acts
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    bound = max(0.0, timeout) + WORKER_DRAIN_MARGIN
+
+    def expire() -> None:
+        log.warning("SIGTERM %.0f s ago and the leader has not stopped the group: exiting", bound)
+        print(f"shoal: worker pod: the leader did not stop the group within {bound:g}s of SIGTERM, exiting",
+              file=sys.stderr, flush=True)
+        exit_(0)
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if int(signal.SIGTERM) in data:
+                log.warning("SIGTERM: serving the group's in-flight requests until the leader stops it "
+                            "(at most %.0f s)", bound)
+                timer = threading.Timer(bound, expire)
+                timer.daemon = True  # a group stopped in time exits without waiting for it
+                timer.start()
+                return
+
+    threading.Thread(target=watch, name="shoal-worker-sigterm", daemon=True).start()
+    return True
+
+
 def run_worker_pod_if_needed(config, host: str = "0.0.0.0", port: int | None = None) -> bool:
     """For `shoal serve`, first thing: in a pod group's pod with SHOAL_PIPELINE_RANK > 0, run
     this pod's ranks until the leader stops the group, and return True (the process is
@@ -52,6 +103,7 @@ def run_worker_pod_if_needed(config, host: str = "0.0.0.0", port: int | None = N
         return False
     if port is None:
         port = int(option(config, "port", 8000))
+    keep_serving_on_sigterm(float(os.environ.get(ENV_DRAIN_TIMEOUT) or DEFAULT_DRAIN_TIMEOUT))
     ready = threading.Event()
     probes = serve_probes(host, port, ready.is_set) if port else None
     try:

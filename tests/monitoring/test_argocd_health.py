@@ -45,8 +45,8 @@ def test_health(case, lua, tmp_path):
     assert message, "Argo CD shows the message: it should never be empty"
 
 
-def test_the_three_verdicts_are_covered():
-    assert {c["expect"]["status"] for c in CASES} == {"Healthy", "Progressing", "Degraded"}
+def test_the_four_verdicts_are_covered():
+    assert {c["expect"]["status"] for c in CASES} == {"Healthy", "Progressing", "Degraded", "Suspended"}
 
 
 def test_argocd_cm_carries_the_lua_file():

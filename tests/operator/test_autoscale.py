@@ -103,3 +103,67 @@ def test_state_survives_a_restart():
     assert d2.replicas == 8 and d2.direction == "hold"  # the window remembers the high recommendation
     d3 = decide(now=400, current=8, loads=[0] * 8, config=CONFIG, state=d2.state)
     assert d3.replicas == 1 and d3.direction == "down"
+
+
+# ---------------------------------------------------------------- issue 19, defects 1 and 6
+
+IDLE_CONFIG = {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 16, "scaleDownStabilizationSeconds": 300}
+
+
+def test_a_fresh_resource_is_not_scaled_down_within_its_window():
+    # Seeded with the current count (as HPA does): idle at creation holds for the whole window.
+    d = decide(now=1000, current=2, loads=[0, 0], config=IDLE_CONFIG, state={})
+    assert d.replicas == 2 and d.direction == "hold"
+    state = json.loads(json.dumps(d.state))
+    for t in range(1015, 1300, 15):
+        d = decide(now=t, current=2, loads=[0, 0], config=IDLE_CONFIG, state=state)
+        assert d.replicas == 2, t
+        state = json.loads(json.dumps(d.state))
+    d = decide(now=1301, current=2, loads=[0, 0], config=IDLE_CONFIG, state=state)
+    assert d.replicas == 1 and d.direction == "down"
+
+
+def test_a_fresh_resource_still_scales_up_at_once():
+    d = decide(now=0, current=1, loads=[300], config=CONFIG, state={})
+    assert d.replicas == 8
+
+
+def test_a_group_still_loading_is_not_idle():
+    # Two groups desired, one reports 3 requests, the other is still loading its model:
+    # assumed at the target for a scale-down, as HPA does with pods missing metrics.
+    state = {"recommendations": []}
+    d = decide(now=1000, current=2, loads=[3], config=IDLE_CONFIG, state=state)
+    assert d.replicas == 2, d
+    assert raw_recommendation(2, [3], 16, missing=1) == 2
+    assert raw_recommendation(2, [40], 16, missing=1) == 3   # a scale-up still counts it idle: ceil(40/16)
+    assert raw_recommendation(2, [20], 16, missing=1) == 2   # 20 + 0 over 2 groups: down, flipped -> hold
+
+
+def test_the_window_in_status_stays_short_and_times_are_rfc3339():
+    state = {}
+    for i in range(200):
+        d = decide(now=1_800_000_000 + 15 * i, current=4, loads=[64] * 4, config=CONFIG, state=state)
+        state = json.loads(json.dumps(d.state))
+    recs = state["recommendations"]
+    assert len(recs) <= 2, recs   # the same recommendation every tick: one entry, not one per tick
+    assert all(isinstance(r["time"], str) and r["time"].endswith("Z") for r in recs)
+    assert "e+" not in json.dumps(state)
+
+
+def test_state_from_an_older_operator_with_float_times_is_read():
+    d = decide(now=1000, current=4, loads=[0] * 4, config=CONFIG,
+               state={"recommendations": [{"time": 900.0, "replicas": 4}], "lastScaleTime": 900.0})
+    assert d.replicas == 4 and d.state["recommendations"][0] == {"time": "1970-01-01T00:16:40Z", "replicas": 4}
+    assert d.state["lastScaleTime"] == "1970-01-01T00:15:00Z"
+
+
+def test_a_steady_recommendation_leaves_the_state_unchanged():
+    # Status is written only on change: the same load tick after tick must not change the state.
+    d = decide(now=0, current=2, loads=[40, 40], config=CONFIG, state={})
+    states = []
+    for i in range(1, 30):
+        d = decide(now=15 * i, current=d.replicas, loads=[80 / d.replicas] * d.replicas, config=CONFIG,
+                   state=d.state)
+        states.append(json.dumps(d.state, sort_keys=True))
+    # 29 rounds, three states: after the scale-up, steady, and once the creation seed left the window
+    assert len(set(states)) <= 3, states

@@ -40,8 +40,8 @@ def test_render_prints_every_object(capsys, tmp_path):
     assert args.func(args) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["PodDisruptionBudget", "PodMonitor", "Service", "Service", "ServiceMonitor",
-                     "StatefulSet", "StatefulSet"]
+    assert kinds == ["NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "PodMonitor", "Service", "Service",
+                     "ServiceMonitor", "StatefulSet", "StatefulSet"]
     sts = [d for d in docs if d["kind"] == "StatefulSet"]
     assert all(s["spec"]["replicas"] == 2 for s in sts)
     assert sts[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
@@ -118,3 +118,12 @@ def test_run_serves_metrics_and_liveness_and_stops_on_sigterm(tmp_path):
             assert proc.returncode == 0, out
 
     asyncio.run(scenario())
+
+
+def test_render_refuses_an_invalid_spec(capsys, tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("apiVersion: shoal.dev/v1alpha1\nkind: InferenceDeployment\nmetadata: {name: llama.v2}\n"
+                 "spec: {model: {source: 'builtin://smollm2-135m-instruct'}}\n")
+    args = parse("render", str(f))
+    assert args.func(args) == 1
+    assert "DNS label" in capsys.readouterr().err

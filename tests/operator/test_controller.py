@@ -70,7 +70,8 @@ def test_reconcile_creates_groups_and_reports_status(world):
     st = status(kube)
     assert st["readyReplicas"] == 2 and st["observedGeneration"] == 1
     assert {x["type"]: x["status"] for x in st["conditions"]} == \
-        {"Available": "True", "Progressing": "False", "Degraded": "False"}
+        {"Ready": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
+    assert st["url"] == "http://demo.default.svc.cluster.local:8000"
     roles = {p["metadata"]["name"]: p["metadata"]["labels"].get("shoal.dev/role") for p in kube.of_kind("Pod").values()}
     assert sorted(roles.values()) == ["leader", "leader", "worker", "worker"]
     assert [r for _, r, _ in events].count("GroupCreated") == 2
@@ -107,6 +108,15 @@ def test_a_failed_pod_restarts_its_whole_group(world):
     kube.run_statefulsets()                                # the StatefulSet recreates them together
     clock.t += 5
     c.trigger("default", "demo")
+    # Issue 19, defect 5: Degraded lasted one second; it holds until the group has been ready a while.
+    deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "GroupRecovering", deg
+    assert status(kube)["groups"][0]["restarts"] == 1 and status(kube)["groups"][0]["recentRestarts"] == 1
+    clock.t += 60
+    c.trigger("default", "demo", scrape=True)
+    assert next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"] == "True"
+    clock.t += 61
+    c.trigger("default", "demo", scrape=True)
     assert next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"] == "False"
     assert status(kube)["groups"][0]["restarts"] == 1
 
@@ -189,3 +199,325 @@ def test_missing_or_deleting_resource_is_a_no_op(world):
     body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert c.reconcile("default", "demo") is None
     assert kube.of_kind("StatefulSet") == {}
+
+
+def test_steady_autoscaling_does_not_rewrite_status_every_round(world):
+    # Issue 19, defect 6: the resourceVersion climbed every tick with autoscaling on.
+    kube, c, clock, _, depth = world
+    idf(kube, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 10})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    depth.update(running=4, waiting=0)
+    for _ in range(3):
+        clock.t += 10
+        c.trigger("default", "demo", scrape=True)
+    kube.calls.clear()
+    for _ in range(10):
+        clock.t += 10
+        c.trigger("default", "demo", scrape=True)
+    assert [x for x in kube.calls if x[0] == "patch"] == []
+    auto = status(kube)["autoscaler"]
+    assert all(isinstance(r["time"], str) and r["time"].endswith("Z") for r in auto["recommendations"])
+    assert len(auto["recommendations"]) <= 2
+
+
+def _series(name):
+    text = generate_latest(metrics.REGISTRY).decode()
+    return [line for line in text.splitlines() if f'name="{name}"' in line and not line.startswith("#")]
+
+
+def test_a_delete_during_a_reconcile_leaves_no_series(world):
+    # Issue 19, defect 7: a round that was running when the resource was deleted set the
+    # gauges again after the delete handler had removed them.
+    kube, c, clock, _, depth = world
+    idf(kube, autoscaling={"enabled": True})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    assert _series("demo")
+    real_patch = kube.merge_patch
+
+    def patch_then_delete(api_version, kind, namespace, name, patch, subresource=None):
+        out = real_patch(api_version, kind, namespace, name, patch, subresource)
+        if subresource == "status":   # the delete handler runs while this round is still going
+            c.forget(namespace, name)
+        return out
+    kube.merge_patch = patch_then_delete
+    depth.update(running=100)
+    clock.t += 10
+    c.trigger("default", "demo", scrape=True)
+    assert _series("demo") == []
+
+
+def test_a_deleting_resource_drops_its_series(world):
+    kube, c, *_ = world
+    body = idf(kube)
+    c.trigger("default", "demo")
+    assert _series("demo")
+    body["metadata"]["deletionTimestamp"] = "2026-12-04T00:00:00Z"
+    c.trigger("default", "demo")
+    assert _series("demo") == []
+
+
+def test_forget_keeps_the_applied_hashes_of_a_longer_name(world):
+    kube, c, *_ = world
+    idf(kube)
+    other = make_body(name="demo2", uid="uid-2")
+    kube.put(other)
+    c.trigger("default", "demo")
+    c.trigger("default", "demo2")
+    c.forget("default", "demo")
+    assert {k[4] for k in c.applied} == {"demo2"}
+
+
+def test_drift_in_children_is_repaired(world):
+    # Issue 19, defect 2: a group scaled to 1 pod of 2 and a Service given an extra selector
+    # label stayed so, and status still said Available.
+    kube, c, clock, *_ = world
+    idf(kube, replicas=2, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    g0, g1 = sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("StatefulSet", "default", g0)]["spec"]["replicas"] = 1
+    del kube.objects[("Pod", "default", f"{g0}-1")]
+    kube.objects[("Service", "default", "demo")]["spec"]["selector"]["extra"] = "x"
+    # An event-driven round already judges the group by its pipeline size, not its replicas.
+    c.trigger("default", "demo")
+    st = status(kube)
+    assert {g["name"]: g["ready"] for g in st["groups"]} == {g0: False, g1: True}
+    # The timer round re-checks the cluster and repairs both.
+    clock.t += 10
+    c.trigger("default", "demo", scrape=True)
+    assert kube.objects[("StatefulSet", "default", g0)]["spec"]["replicas"] == 2
+    assert "extra" not in kube.objects[("Service", "default", "demo")]["spec"]["selector"]
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    assert status(kube)["readyReplicas"] == 2
+
+
+def test_a_scale_down_keeps_the_healthy_group_over_a_drifted_one(world):
+    kube, c, *_ = world
+    idf(kube, replicas=2, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    g0, g1 = sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("StatefulSet", "default", g0)]["spec"]["replicas"] = 1
+    del kube.objects[("Pod", "default", f"{g0}-1")]
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["replicas"] = 1
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("StatefulSet")) == [g1]
+
+
+def test_drift_ignores_what_the_server_adds():
+    obj = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "a", "labels": {"x": "1"}},
+           "spec": {"selector": {"a": "b"}, "ports": [{"port": 8000, "name": "http"}]}}
+    live = {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "a", "uid": "u", "resourceVersion": "9", "labels": {"x": "1", "other": "y"}},
+            "spec": {"selector": {"a": "b"}, "clusterIP": "10.0.0.1",
+                     "ports": [{"port": 8000, "name": "http", "protocol": "TCP", "targetPort": 8000}]}}
+    assert render.drift(obj, live) == []
+    # quantities as the server normalises them are not drift
+    assert render.drift({"limits": {"cpu": 0.5, "memory": "1024Mi", "nvidia.com/gpu": 2}},
+                        {"limits": {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": "2"}}) == []
+    assert render.drift({"limits": {"cpu": "1"}}, {"limits": {"cpu": "2"}}) == ["limits.cpu"]
+    live["spec"]["selector"]["c"] = "d"
+    live["spec"]["ports"][0]["port"] = 80
+    assert render.drift(obj, live) == ["spec.selector", "spec.ports[0].port"]
+
+
+def test_a_crash_looping_group_stays_degraded(world):
+    kube, c, clock, events, _ = world
+    idf(kube, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    (group,) = kube.of_kind("StatefulSet")
+    seen = []
+    for _ in range(4):
+        kube.run_statefulsets(ready=False)
+        kube.objects[("Pod", "default", f"{group}-1")]["status"]["containerStatuses"][0]["restartCount"] = 1
+        for _ in range(4):   # the timer, every 10 s, between and through the restarts
+            clock.t += 10
+            c.trigger("default", "demo", scrape=True)
+            seen.append(next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")["status"])
+    assert set(seen) == {"True"}, seen
+    assert status(kube)["groups"][0]["recentRestarts"] >= 3
+
+
+def test_without_pods_patch_the_role_label_is_left_off(world):
+    # Issue 19: the ClusterRole grants no pods/patch; the operator must work without it.
+    from shoal.operator.kube import ApiError
+
+    kube, c, *_ = world
+    idf(kube, parallelism={"pipeline": 2})
+    real_patch = kube.merge_patch
+    refused = []
+
+    def patch(api_version, kind, namespace, name, patch, subresource=None):
+        if kind == "Pod":
+            refused.append(name)
+            raise ApiError(403, "pods is forbidden")
+        return real_patch(api_version, kind, namespace, name, patch, subresource)
+    kube.merge_patch = patch
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    c.trigger("default", "demo", scrape=True)
+    assert len(refused) == 1                                   # tried once, then not again
+    assert status(kube)["readyReplicas"] == 1
+    assert not any(p["metadata"]["labels"].get("shoal.dev/role") for p in kube.of_kind("Pod").values())
+
+
+def test_group_network_policies_follow_the_groups(world):
+    kube, c, *_ = world
+    idf(kube, replicas=2)
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("NetworkPolicy")) == sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["replicas"] = 1
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("NetworkPolicy")) == sorted(kube.of_kind("StatefulSet"))
+    # an orphaned policy (say, a delete that failed) goes on the next timer round
+    orphan = dict(next(iter(kube.of_kind("NetworkPolicy").values())))
+    orphan = {**orphan, "metadata": {**orphan["metadata"], "name": "demo-old-9",
+                                     "labels": {**orphan["metadata"]["labels"], "shoal.dev/group": "demo-old-9"}}}
+    kube.put(orphan)
+    c.trigger("default", "demo", scrape=True)
+    assert sorted(kube.of_kind("NetworkPolicy")) == sorted(kube.of_kind("StatefulSet"))
+
+
+def test_restart_policy_none_leaves_a_failed_group_alone(world):
+    # Issue 19: LeaderWorkerSet's restart policies: RecreateGroupOnPodRestart (default) and None.
+    kube, c, clock, events, _ = world
+    idf(kube, parallelism={"pipeline": 2}, restartPolicy="None")
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    (group,) = kube.of_kind("StatefulSet")
+    kube.objects[("Pod", "default", f"{group}-1")]["status"]["containerStatuses"][0]["restartCount"] = 1
+    c.trigger("default", "demo")
+    assert len(kube.of_kind("Pod")) == 2                       # nothing deleted
+    deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
+    assert deg["status"] == "True" and "restartPolicy None" in deg["message"]
+    assert "GroupRestarted" not in [r for _, r, _ in events]
+
+
+def test_partition_keeps_old_groups_and_says_so(world):
+    kube, c, clock, *_ = world
+    idf(kube, replicas=3, rollout={"partition": 2})
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo")
+    body = kube.objects[("InferenceDeployment", "default", "demo")]
+    body["spec"]["model"]["revision"] = "v2"
+    body["metadata"]["generation"] = 2
+    for _ in range(6):
+        c.trigger("default", "demo")
+        kube.run_statefulsets()
+    st = status(kube)
+    revs = sorted(g["revision"] for g in st["groups"])
+    assert len(revs) == 3 and revs.count(st["revision"]) == 1, revs
+    conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
+    assert conds["Progressing"] == ("False", "PartitionReached") and conds["Ready"][0] == "True"
+
+
+def test_pod_failed_predicate_for_the_pod_watch():
+    ok = {"metadata": {"name": "g-0"}, "status": {"phase": "Running",
+                                                  "containerStatuses": [{"name": "shoal", "restartCount": 0}]}}
+    assert not ctl.pod_failed(ok)
+    assert ctl.pod_failed({"metadata": {"name": "g-0"}, "status": {"phase": "Failed"}})
+    assert ctl.pod_failed({"metadata": {"name": "g-0"}, "status": {
+        "containerStatuses": [{"name": "shoal", "restartCount": 2}]}})
+    assert not ctl.pod_failed({})
+
+
+def test_the_pod_watch_handler_triggers_the_owner(monkeypatch):
+    from shoal.operator import main
+
+    calls = []
+
+    class Recorder:
+        def trigger(self, namespace, name, scrape=False):
+            calls.append((namespace, name, scrape))
+    monkeypatch.setattr(main, "get_controller", lambda: Recorder())
+    main.pod_failed(namespace="ns", labels={render.L_DEPLOYMENT: "demo"}, type="MODIFIED")
+    main.pod_failed(namespace="ns", labels={render.L_DEPLOYMENT: "demo"}, type=None)   # initial listing
+    assert calls == [("ns", "demo", False)]
+    import kopf
+    registry = kopf.get_default_registry()
+    handlers = [h for h in registry._watching.get_all_handlers() if getattr(h, "id", "").endswith("pod_failed")]
+    assert handlers and handlers[0].when is not None
+
+
+def test_the_model_cache_is_filled_once_before_groups_start(world):
+    kube, c, clock, events, _ = world
+    idf(kube, model={"source": "hf://org/name", "cache": {"enabled": True}}, parallelism={"pipeline": 2})
+    c.trigger("default", "demo")
+    (job,) = kube.of_kind("Job")
+    assert "demo-model-cache" in kube.of_kind("PersistentVolumeClaim")
+    assert kube.of_kind("StatefulSet") == {}                    # nothing to load yet
+    st = status(kube)
+    assert st["modelCache"]["phase"] == "Pending"
+    assert next(x for x in st["conditions"] if x["type"] == "Progressing")["reason"] == "FetchingModel"
+    kube.objects[("Job", "default", job)]["status"] = {"active": 1, "startTime": "2026-12-04T10:00:00Z"}
+    c.trigger("default", "demo")
+    assert status(kube)["modelCache"]["phase"] == "Fetching" and kube.of_kind("StatefulSet") == {}
+    kube.objects[("Job", "default", job)]["status"] = {"succeeded": 1, "conditions": [
+        {"type": "Complete", "status": "True"}], "completionTime": "2026-12-04T10:05:00Z"}
+    c.trigger("default", "demo")
+    assert status(kube)["modelCache"]["phase"] == "Ready" and len(kube.of_kind("StatefulSet")) == 1
+    assert "ModelFetched" in [r for _, r, _ in events]
+    del kube.objects[("Job", "default", job)]                   # gone (TTL, by hand): Ready is remembered
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    assert kube.of_kind("Job") == {} and status(kube)["readyReplicas"] == 1
+    # a new revision: a new Job; the old group serves until the new one is fetched and ready
+    body = kube.objects[("InferenceDeployment", "default", "demo")]
+    body["spec"]["model"]["revision"] = "v2"
+    c.trigger("default", "demo")
+    (job2,) = kube.of_kind("Job")
+    assert job2 != job and len(kube.of_kind("StatefulSet")) == 1
+    kube.objects[("Job", "default", job2)]["status"] = {"failed": 5, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}
+    c.trigger("default", "demo")
+    deg = next(x for x in status(kube)["conditions"] if x["type"] == "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "ModelFetchFailed"
+    assert status(kube)["readyReplicas"] == 1                   # still serving the old revision
+
+
+def test_switching_the_model_cache_off_removes_its_status(world):
+    kube, c, *_ = world
+    idf(kube, model={"source": "hf://org/name", "cache": {"enabled": True}})
+    c.trigger("default", "demo")
+    assert "modelCache" in status(kube)
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["model"]["cache"]["enabled"] = False
+    c.trigger("default", "demo")
+    assert "modelCache" not in status(kube) and len(kube.of_kind("StatefulSet")) == 1
+
+
+def test_pod_and_statefulset_watches_select_server_side(monkeypatch):
+    # kopf filters handler labels client-side: the watches themselves must carry the selector,
+    # or the operator would stream every pod of the cluster.
+    import kopf
+
+    from shoal.operator import main
+
+    monkeypatch.setattr(main, "_controller", None)
+    settings = kopf.OperatorSettings()
+    main.configure(settings=settings)
+    sel = settings.watching.label_selectors
+    assert list(sel.collect(kopf.Resource("", "v1", "pods"))) == [render.L_DEPLOYMENT]
+    assert list(sel.collect(kopf.Resource("apps", "v1", "statefulsets"))) == [render.L_DEPLOYMENT]
+    assert list(sel.collect(kopf.Resource("shoal.dev", "v1alpha1", "inferencedeployments"))) == []
+
+
+def test_volcano_pod_groups_follow_the_groups(world):
+    kube, c, *_ = world
+    idf(kube, replicas=2, parallelism={"pipeline": 2}, placement={"gangScheduling": "Volcano"})
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("PodGroup")) == sorted(kube.of_kind("StatefulSet"))
+    kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["replicas"] = 1
+    c.trigger("default", "demo")
+    assert sorted(kube.of_kind("PodGroup")) == sorted(kube.of_kind("StatefulSet")) and len(kube.of_kind("PodGroup")) == 1

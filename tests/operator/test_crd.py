@@ -135,7 +135,9 @@ def test_minimal_resource_gets_the_documented_defaults():
     assert d["engine"]["maxNumSeqs"] == 256 and d["engine"]["schedulingPolicy"] == "fcfs"
     assert d["engine"]["enablePrefixCaching"] is True and d["engine"]["blockSize"] == 16
     assert d["autoscaling"]["targetQueueDepth"] == 32 and d["autoscaling"]["scaleDownStabilizationSeconds"] == 300
-    assert d["rollout"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert d["rollout"] == {"maxSurge": 1, "maxUnavailable": 0, "partition": 0}
+    assert d["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert d["placement"]["colocateGroup"] == "Preferred" and d["placement"]["gangScheduling"] == "None"
     assert d["model"]["revision"] == "main"
     validate_resource(make_body())
 
@@ -152,7 +154,59 @@ BAD = {
     "unknown field": {"replicaz": 3},
     "bad policy": {"engine": {"schedulingPolicy": "lifo"}},
     "batch < seqs": {"engine": {"maxNumSeqs": 4096, "maxNumBatchedTokens": 1024}},
+    # issue 19: inputs that were accepted and then silently changed or broke the children
+    "gpus != tensor": {"parallelism": {"tensor": 2}, "resources": {"limits": {"nvidia.com/gpu": 4}}},
+    "gpu request != tensor": {"resources": {"requests": {"amd.com/gpu": "2"}}},
+    "mig != tensor": {"parallelism": {"tensor": 2}, "resources": {"limits": {"nvidia.com/mig-3g.40gb": 1}}},
+    "extraArgs --port": {"engine": {"extraArgs": ["--port", "9000"]}},
+    "extraArgs --port=": {"engine": {"extraArgs": ["--port=9000"]}},
+    "extraArgs abbreviated": {"engine": {"extraArgs": ["--tensor-parallel", "4"]}},
+    "extraArgs -tp": {"engine": {"extraArgs": ["-tp", "4"]}},
+    "extraArgs pp": {"engine": {"extraArgs": ["--pipeline-parallel-size=2"]}},
+    "extraArgs host": {"engine": {"extraArgs": ["--host", "127.0.0.1"]}},
+    "volume dshm": {"podTemplate": {"volumes": [{"name": "dshm", "emptyDir": {}}]}},
+    "second /dev/shm": {"podTemplate": {"volumes": [{"name": "shm2", "emptyDir": {}}],
+                                        "volumeMounts": [{"name": "shm2", "mountPath": "/dev/shm"}]}},
+    "SHOAL_ env": {"podTemplate": {"env": [{"name": "SHOAL_PIPELINE_RANK", "value": "3"}]}},
+    "env without name": {"podTemplate": {"env": [{"value": "3"}]}},
+    "negative cacheSize": {"model": {"source": "hf://org/m", "cacheSize": "-10Gi"}},
+    "negative cacheSize int": {"model": {"source": "hf://org/m", "cacheSize": -1}},
+    "negative limit": {"resources": {"limits": {"memory": "-1Gi"}}},
+    "pvc ..": {"model": {"source": "pvc://models/../../etc"}},
+    "pvc .. end": {"model": {"source": "pvc://models/a/.."}},
+    "interval 0s": {"monitoring": {"interval": "0s"}},
+    "interval 00m": {"monitoring": {"interval": "00m"}},
+    "volume tmp": {"podTemplate": {"volumes": [{"name": "tmp", "emptyDir": {}}]}},
+    "second /tmp": {"podTemplate": {"volumes": [{"name": "t", "emptyDir": {}}],
+                                    "volumeMounts": [{"name": "t", "mountPath": "/tmp"}]}},
+    "pvc with a model cache": {"model": {"source": "pvc://models/x", "cache": {"enabled": True}}},
+    "negative cache size": {"model": {"source": "hf://org/m", "cache": {"enabled": True, "size": "-1Gi"}}},
 }
+
+GOOD = {
+    "gpus == tensor": {"parallelism": {"tensor": 2}, "resources": {"limits": {"nvidia.com/gpu": 2}}},
+    "mig == tensor": {"resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}},
+    "cpu and memory": {"resources": {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": 4}}},
+    "other extraArgs": {"engine": {"extraArgs": ["--max-num-partial-prefills", "2", "--trust-remote-code",
+                                                 "--pipeline-layer-split", "3,3"]}},
+    "own volumes": {"podTemplate": {"volumes": [{"name": "certs", "secret": {"secretName": "c"}}],
+                                    "volumeMounts": [{"name": "certs", "mountPath": "/etc/certs"}],
+                                    "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}]}},
+    "pvc dotted names": {"model": {"source": "pvc://models/llama..v2/a.b"}},
+    "interval 10s": {"monitoring": {"interval": "10s"}},
+    "cacheSize": {"model": {"source": "hf://org/m", "cacheSize": "20Gi"}},
+    "model cache": {"model": {"source": "hf://org/m", "cache": {"enabled": True, "accessMode": "ReadWriteOnce"}}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOOD))
+def test_good_resources_pass(case):
+    validate_resource(make_body(**GOOD[case]))
+
+
+def test_unknown_status_fields_are_not_kept():
+    # kopf keeps its state in annotations: status has no free-form room left.
+    assert not crd.openapi_schema()["properties"]["status"].get("x-kubernetes-preserve-unknown-fields")
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -165,6 +219,18 @@ def test_too_long_a_name_fails():
     with pytest.raises(jsonschema.ValidationError):
         validate_resource(make_body(name="x" * (crd.MAX_NAME_LENGTH + 1)))
     validate_resource(make_body(name="x" * crd.MAX_NAME_LENGTH))
+
+
+@pytest.mark.parametrize("name", ["llama.v2", "8b-llama", "Llama", "llama-", "-llama", "llama_2"])
+def test_names_that_break_children_fail(name):
+    # Issue 19, defect 3: dots break Service/StatefulSet names, a Service name starts with a letter.
+    with pytest.raises(jsonschema.ValidationError, match="DNS label"):
+        validate_resource(make_body(name=name))
+
+
+@pytest.mark.parametrize("name", ["llama-v2", "l", "llama3-8b"])
+def test_dns_label_names_pass(name):
+    validate_resource(make_body(name=name))
 
 
 @pytest.mark.parametrize("source", ["builtin://smollm2-135m-instruct", "hf://meta-llama/Llama-3.1-8B",

@@ -36,15 +36,18 @@ NS = "default"
 IDF = "/apis/shoal.dev/v1alpha1/namespaces/default/inferencedeployments"
 STS = "/apis/apps/v1/namespaces/default/statefulsets"
 PODS = "/api/v1/namespaces/default/pods"
+NPS = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
 RESOURCES = {
     "shoal.dev/v1alpha1/inferencedeployments": dict(kind="InferenceDeployment", namespaced=True,
                                                     subresources={"status", "scale"},
                                                     verbs={"get", "list", "watch", "patch", "create", "delete"}),
     "apps/v1/statefulsets": dict(kind="StatefulSet", namespaced=True,
                                  verbs={"get", "list", "watch", "patch", "create", "delete"}),
-    "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
+    "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "patch", "create", "delete"}),
     "v1/services": dict(kind="Service", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
     "v1/events": dict(kind="Event", namespaced=True, verbs={"create", "list"}),
+    "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy", namespaced=True,
+                                                 verbs={"get", "list", "patch", "create", "delete"}),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True,
                                            verbs={"get", "list", "patch", "create", "delete"}),
     "v1/namespaces": dict(kind="Namespace", namespaced=False, verbs={"get", "list", "watch"}),
@@ -269,6 +272,8 @@ async def test_apply_rollout_delete(cluster):
             (ref,) = obj["metadata"]["ownerReferences"]
             assert ref["uid"] == "uid-demo" and ref["kind"] == "InferenceDeployment" and ref["controller"]
         rev1 = stss[0]["metadata"]["labels"][render.L_REVISION]
+        nps = await items(k, NPS)
+        assert sorted(n["metadata"]["name"] for n in nps) == sorted(s["metadata"]["name"] for s in stss)
 
         # The "StatefulSet controller" makes the pods ready; status and conditions follow.
         play = asyncio.create_task(player.run())
@@ -284,6 +289,8 @@ async def test_apply_rollout_delete(cluster):
             assert st["observedGeneration"] == 1 and st["desiredReplicas"] == 2 and st["updatedReplicas"] == 2
             assert st["selector"] == "shoal.dev/deployment=demo,apps.kubernetes.io/pod-index=0"
             assert cond(st, "Degraded")["status"] == "False"
+            assert cond(st, "Ready")["status"] == "True" and cond(st, "Ready")["reason"] == "AllGroupsReady"
+            assert st["url"] == "http://demo.default.svc.cluster.local:8000"
             assert all(c["observedGeneration"] == 1 for c in st["conditions"])
             assert {g["name"] for g in st["groups"]} == {s["metadata"]["name"] for s in stss}
             # The operator labelled the roles (pod index 0 is the leader).
@@ -291,6 +298,16 @@ async def test_apply_rollout_delete(cluster):
             assert {p["metadata"]["labels"].get(render.L_ROLE) for p in pods} == {"leader", "worker"}
             assert all((p["metadata"]["labels"][render.L_ROLE] == "leader")
                        == (p["metadata"]["labels"][render.L_POD_INDEX] == "0") for p in pods)
+
+            # Issue 19, defect 2: a group scaled by hand is put back by the next resync.
+            victim = stss[0]["metadata"]["name"]
+            async with k.patch(f"{STS}/{victim}", json={"spec": {"replicas": 1}}) as resp:
+                assert resp.status == 200
+
+            async def repaired():
+                sts = await get(k, f"{STS}/{victim}")
+                return sts["spec"]["replicas"] == 2
+            await eventually(repaired, timeout=20)
 
             # A new model revision: rolled out group by group (maxSurge 1, maxUnavailable 0).
             player.ready_groups_seen.clear()
@@ -307,6 +324,9 @@ async def test_apply_rollout_delete(cluster):
                         and st.get("readyReplicas") == 2 and cond(st, "Progressing")["reason"] == "RolloutComplete":
                     return obj, stss
             obj, stss = await eventually(rolled_out, timeout=90)
+            # the old groups' NetworkPolicies went with them
+            assert sorted(n["metadata"]["name"] for n in await items(k, NPS)) == \
+                sorted(s["metadata"]["name"] for s in stss)
             assert min(player.ready_groups_seen) >= 2 - 0, player.ready_groups_seen   # replicas - maxUnavailable
             assert max(player.ready_groups_seen) <= 2 + 1, player.ready_groups_seen   # replicas + maxSurge
             assert obj["status"]["revision"] != rev1
@@ -336,6 +356,15 @@ async def test_apply_rollout_delete(cluster):
             reasons = [r.data.get("reason") for r in list(k)
                        if r.method == "POST" and r.resource is not None and r.resource.plural == "events"]
             assert "ScaledUp" in reasons
+
+            # Issue 19, defect 6: a steady load writes no status (the resourceVersion stood still).
+            async def settled():
+                a = await get(k, f"{IDF}/demo")
+                await asyncio.sleep(2.0)   # four resync rounds
+                b = await get(k, f"{IDF}/demo")
+                return a["status"] == b["status"] and b
+            obj = await eventually(settled, timeout=30)
+            assert all(isinstance(r["time"], str) for r in obj["status"]["autoscaler"]["recommendations"])
         finally:
             player.stop = True
             await play
@@ -351,7 +380,7 @@ async def test_apply_rollout_delete(cluster):
         collected = await garbage_collect(k, {"uid-demo"})
         assert collected, "the operator's objects must be collectable through ownerReferences"
         for path in (STS, PODS, "/api/v1/namespaces/default/services",
-                     "/apis/policy/v1/namespaces/default/poddisruptionbudgets"):
+                     "/apis/policy/v1/namespaces/default/poddisruptionbudgets", NPS):
             left = [o["metadata"]["name"] for o in await items(k, path)
                     if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "demo"]
             assert left == [], (path, left)
@@ -359,7 +388,8 @@ async def test_apply_rollout_delete(cluster):
 
 async def garbage_collect(k: Any, dead_uids: set[str]) -> list[str]:
     """Plays the garbage collector: delete what an owner that is gone owned, transitively."""
-    paths = [STS, PODS, "/api/v1/namespaces/default/services", "/apis/policy/v1/namespaces/default/poddisruptionbudgets"]
+    paths = [STS, PODS, "/api/v1/namespaces/default/services", "/apis/policy/v1/namespaces/default/poddisruptionbudgets",
+             NPS]
     collected: list[str] = []
     changed = True
     while changed:
@@ -406,3 +436,24 @@ async def test_delete_while_the_resync_timer_runs(cluster, monkeypatch):
         started = time.monotonic()
         await eventually(gone, timeout=20)  # kopf's default re-check would come after 60 s
         assert time.monotonic() - started < 20
+
+
+async def test_an_invalid_spec_is_reported_and_nothing_is_created(cluster):
+    """Issue 19: KMock runs no CEL, like a cluster with an older CRD: the operator itself refuses
+    the spec, says why in status, and touches no child."""
+    k = cluster
+    bad = idf(name="bad", parallelism={"tensor": 2}, resources={"limits": {"nvidia.com/gpu": 4}})
+    async with operator_running():
+        async with k.post(IDF, json=bad) as resp:
+            assert resp.status in (200, 201)
+
+        async def refused():
+            obj = await get(k, f"{IDF}/bad")
+            st = (obj or {}).get("status") or {}
+            return st.get("conditions") and cond(st, "Degraded")["reason"] == "InvalidSpec" and st
+        st = await eventually(refused, timeout=30)
+        assert cond(st, "Ready")["status"] == "False" and "nvidia.com/gpu" in cond(st, "Ready")["message"]
+        await asyncio.sleep(1.0)   # a couple of resync rounds
+        for path in (STS, NPS, "/api/v1/namespaces/default/services"):
+            assert [o for o in await items(k, path)
+                    if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "bad"] == [], path

@@ -46,6 +46,9 @@ SPECS = {
         "nodeSelector": {"pool": "gpu"}, "env": [{"name": "X", "value": "1"}, {"name": "SHOAL_GROUP", "value": "no"}],
         "tolerations": [{"key": "gpu", "operator": "Exists"}], "metadata": {"labels": {"team": "a"}}}},
     "file": {"model": {"source": "file:///opt/models/tiny"}},
+    "hf-cache": {"model": {"source": "hf://org/name", "revision": "v2", "tokenSecret": {"name": "hf"},
+                           "cache": {"enabled": True, "size": "40Gi", "storageClassName": "nfs"}},
+                 "parallelism": {"pipeline": 2}, "podTemplate": {"nodeSelector": {"pool": "gpu"}}},
 }
 
 
@@ -217,3 +220,133 @@ def test_reserved_env_is_not_overridable(defaulted):
     env = render.pod_template(body, "g")["spec"]["containers"][0]["env"]
     assert [e["value"] for e in env if e["name"] == "SHOAL_GROUP"] == ["g"]
     assert {"name": "A", "value": "1"} in env
+
+
+def test_worker_pods_get_the_drain_timeout(defaulted):
+    # Issue 19, defect 4: a worker pod keeps serving after SIGTERM, bounded by the drain timeout.
+    body = defaulted(parallelism={"pipeline": 2}, engine={"drainTimeoutSeconds": 90})
+    sts = render.group_statefulset(body, render.revision_hash(body), 0)
+    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SHOAL_DRAIN_TIMEOUT"] == "90"
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90 + 10
+
+
+def test_mig_slices_are_accelerators(defaulted):
+    # Issue 19: nvidia.com/mig-* was not treated as an accelerator (CPU image, no per-rank count).
+    body = defaulted(parallelism={"tensor": 2}, resources={"limits": {"nvidia.com/mig-3g.40gb": 2}})
+    sts = render.group_statefulset(body, render.revision_hash(body), 0)
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == defaults.DEFAULT_GPU_IMAGE
+    assert c["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == 2
+    validate_k8s(sts)
+
+
+def test_least_privilege_pods(defaulted):
+    # Issue 19: no API token, a read-only root with writable emptyDirs where the runtime writes.
+    body = defaulted(model={"source": "hf://org/name"})
+    pod = render.pod_template(body, "g")["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod
+    for c in pod["containers"] + pod["initContainers"]:
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for path in ("/tmp", "/home/shoal", "/dev/shm"):
+        assert "emptyDir" in volumes[mounts[path]], path
+    fetch = next(c for c in pod["initContainers"] if c["name"] == "fetch-model")
+    assert {"/tmp", "/models"} <= {m["mountPath"] for m in fetch["volumeMounts"]}
+
+
+def test_a_group_network_policy_guards_the_rendezvous_port(defaulted):
+    body = defaulted(replicas=2, parallelism={"pipeline": 2})
+    objs = render.render_all(body)
+    nps = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    stss = [o for o in objs if o["kind"] == "StatefulSet"]
+    assert sorted(n["metadata"]["name"] for n in nps) == sorted(s["metadata"]["name"] for s in stss)
+    for np_, sts in zip(sorted(nps, key=lambda o: o["metadata"]["name"]),
+                        sorted(stss, key=lambda o: o["metadata"]["name"])):
+        validate_k8s(np_)
+        pods = sts["spec"]["template"]["metadata"]["labels"]
+        sel = np_["spec"]["podSelector"]["matchLabels"]
+        assert sel.items() <= pods.items()
+        http, own = np_["spec"]["ingress"]
+        assert http == {"ports": [{"protocol": "TCP", "port": render.HTTP_PORT}]}      # anyone: HTTP only
+        assert own == {"from": [{"podSelector": {"matchLabels": sel}}]}             # the group: any port
+        assert render.L_GROUP in sel
+
+
+def test_placement_keeps_a_group_together_and_spreads_groups(defaulted):
+    # Issue 19: pod affinity on the group label, groups spread, an opt-in scheduler and Kueue pod groups.
+    body = defaulted(parallelism={"pipeline": 2}, placement={"colocateGroup": "Required",
+                     "groupTopologyKey": "example.com/rack", "schedulerName": "gang",
+                     "gangScheduling": "Kueue"},
+                     podTemplate={"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                         "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}}})
+    rev = render.revision_hash(body)
+    sts = render.group_statefulset(body, rev, 0)
+    validate_k8s(sts)
+    group = sts["metadata"]["name"]
+    tpl = sts["spec"]["template"]
+    pod = tpl["spec"]
+    (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term == {"labelSelector": {"matchLabels": {render.L_GROUP: group}}, "topologyKey": "example.com/rack"}
+    assert "nodeAffinity" in pod["affinity"]                       # the user's affinity is kept
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["matchLabelKeys"] == [render.L_POD_INDEX]
+    assert pod["schedulerName"] == "gang"
+    assert tpl["metadata"]["labels"][render.L_KUEUE_GROUP] == group
+    assert tpl["metadata"]["annotations"][render.A_KUEUE_COUNT] == "2"
+    # defaults: preferred colocation within a zone, and a placement change is a new revision
+    plain = defaulted(parallelism={"pipeline": 2})
+    p = render.group_statefulset(plain, render.revision_hash(plain), 0)["spec"]["template"]["spec"]
+    (pref,) = p["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["podAffinityTerm"]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert "schedulerName" not in p
+    assert render.revision_hash(plain) != rev
+    off = defaulted(placement={"colocateGroup": "None", "spreadGroups": False})
+    p = render.group_statefulset(off, render.revision_hash(off), 0)["spec"]["template"]["spec"]
+    assert "affinity" not in p and "topologySpreadConstraints" not in p
+
+
+def test_the_shared_model_cache(defaulted):
+    # Issue 19: one PVC per deployment, filled once per revision by a Job, mounted read-only.
+    body = defaulted(**SPECS["hf-cache"])
+    objs = render.render_all(body)
+    (pvc,) = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+    (job,) = [o for o in objs if o["kind"] == "Job"]
+    assert pvc["metadata"]["name"] == "demo-model-cache"
+    assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "40Gi"}},
+                           "storageClassName": "nfs"}
+    key = render.model_cache_key(body["spec"])
+    assert job["metadata"]["name"] == f"demo-fetch-{key}"
+    jpod = job["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in jpod["containers"][0]["env"]}
+    assert env["SHOAL_MODEL_DIR"]["value"] == f"/models/org/name/{key}" and "HF_TOKEN" in env
+    assert jpod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "demo-model-cache"}
+    assert jpod["nodeSelector"] == {"pool": "gpu"}
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert "initContainers" not in pod or all(c["name"] != "fetch-model" for c in pod["initContainers"])
+    vol = next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert vol["persistentVolumeClaim"] == {"claimName": "demo-model-cache", "readOnly": True}
+    args = pod["containers"][0]["args"]
+    assert args[1] == f"/models/org/name/{key}"
+    # another revision: another key, so another Job and directory
+    other = defaulted(**{**SPECS["hf-cache"], "model": {**SPECS["hf-cache"]["model"], "revision": "v3"}})
+    assert render.model_cache_key(other["spec"]) != key
+
+
+def test_volcano_gang_scheduling(defaulted):
+    body = defaulted(parallelism={"pipeline": 3}, placement={"gangScheduling": "Volcano"})
+    rev = render.revision_hash(body)
+    objs = render.render_all(body)
+    (pg,) = [o for o in objs if o["kind"] == "PodGroup"]
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    validate_k8s(sts)
+    group = sts["metadata"]["name"]
+    assert pg["apiVersion"] == "scheduling.volcano.sh/v1beta1" and pg["metadata"]["name"] == group
+    assert pg["spec"] == {"minMember": 3} and pg["metadata"]["ownerReferences"][0]["kind"] == "InferenceDeployment"
+    tpl = sts["spec"]["template"]
+    assert tpl["metadata"]["annotations"][render.A_VOLCANO_GROUP] == group
+    assert tpl["spec"]["schedulerName"] == "volcano"
+    assert objs.index(pg) < objs.index(sts) and rev in group

@@ -102,3 +102,32 @@ def test_not_ready_old_groups_go_and_terminating_are_ignored():
 def test_indices_are_reused_lowest_first():
     groups = [Group("r-0", "r", 0, True), Group("r-2", "r", 2, True)]
     assert plan(groups, "r", 4, 2, 0).create == [1, 3]
+
+
+def converge(cluster, revision, replicas, surge, unavailable, partition, floor):
+    for step in range(200):
+        p = plan(cluster.view(), revision, replicas, surge, unavailable, partition=partition)
+        cluster.apply(p, revision)
+        assert cluster.ready() >= floor, (step, cluster.groups)
+        assert len(cluster.groups) <= replicas + surge, (step, cluster.groups)
+        if p.empty and all(g["ready_in"] <= 0 for g in cluster.groups.values()):
+            return
+        cluster.tick()
+    raise AssertionError(f"did not settle: {cluster.groups}")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_partition_stages_a_rollout(seed):
+    # Issue 19: a canary: partition 3 of 4 keeps three old groups; lowering it finishes the rollout.
+    cluster = Cluster("old", 4, random.Random(seed))
+    converge(cluster, "new", 4, 1, 0, partition=3, floor=4)
+    revs = sorted(g["revision"] for g in cluster.groups.values())
+    assert revs == ["new", "old", "old", "old"]
+    converge(cluster, "new", 4, 1, 0, partition=1, floor=4)
+    assert sorted(g["revision"] for g in cluster.groups.values()) == ["new", "new", "new", "old"]
+    converge(cluster, "new", 4, 1, 0, partition=0, floor=4)
+    assert {g["revision"] for g in cluster.groups.values()} == {"new"} and len(cluster.groups) == 4
+
+
+def test_partition_does_not_hold_back_a_new_resource():
+    assert plan([], "new", 3, 1, 0, partition=2).create == [0, 1, 2]

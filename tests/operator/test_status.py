@@ -27,12 +27,13 @@ def body_with(generation=3, st=None):
 def test_rollout_in_progress_then_complete():
     b = body_with()
     st = build(b, [Group("o", "old", 0, True), Group("o2", "old", 1, True), Group("n", "new", 0, False)])
-    assert conds(st) == {"Available": ("True", "MinimumGroupsAvailable"),
+    assert conds(st) == {"Ready": ("False", "RolloutInProgress"), "Available": ("True", "MinimumGroupsAvailable"),
                          "Progressing": ("True", "RolloutInProgress"), "Degraded": ("False", "AsExpected")}
     assert st["observedGeneration"] == 3 and all(c["observedGeneration"] == 3 for c in st["conditions"])
     assert st["replicas"] == 3 and st["readyReplicas"] == 2 and st["updatedReplicas"] == 1
     done = build(body_with(st=st), [Group("n", "new", 0, True), Group("n1", "new", 1, True)], now=2000.0)
     assert conds(done)["Progressing"] == ("False", "RolloutComplete")
+    assert conds(done)["Ready"] == ("True", "AllGroupsReady")
     # Available did not change: its lastTransitionTime is kept; Progressing flipped: it is new.
     t = {c["type"]: c["lastTransitionTime"] for c in done["conditions"]}
     t0 = {c["type"]: c["lastTransitionTime"] for c in st["conditions"]}
@@ -57,3 +58,46 @@ def test_terminating_groups_are_shown_but_not_counted():
     assert st["replicas"] == 2 and conds(st)["Progressing"][1] == "RolloutComplete"
     assert [g["terminating"] for g in st["groups"]] == [True if g["name"] == "x" else False for g in st["groups"]]
     assert status.same(st, dict(st, conditions=[dict(c, lastTransitionTime="x") for c in st["conditions"]]))
+
+
+def test_ready_condition_and_url():
+    # Issue 19: `kubectl wait --for=condition=Ready` and kstatus need a Ready condition.
+    b = body_with()
+    st = build(b, [Group("n", "new", 0, False)], desired=1, url="http://demo.default.svc.cluster.local:8000")
+    assert conds(st)["Ready"] == ("False", "MinimumGroupsUnavailable")
+    assert st["url"] == "http://demo.default.svc.cluster.local:8000"
+    st = build(b, [Group("n", "new", 0, True)], desired=1)
+    assert conds(st)["Ready"] == ("True", "AllGroupsReady")
+
+
+def test_degraded_holds_until_a_restarted_group_is_stable():
+    b = body_with()
+    details = {"n": {"restarts": 2, "recentRestarts": 2, "lastRestart": 1000.0}}
+
+    def at(now, ready, prev=None):
+        return status.build(body=body_with(st=prev) if prev else b, groups=[Group("n", "new", 0, ready)],
+                            group_details=details, revision="new", desired=1, selector="s", now=now)
+    st = at(1005, False)
+    assert conds(st)["Degraded"] == ("True", "GroupRecovering")
+    st = at(1100, True, st)
+    assert st["groups"][0]["readySince"] == status.now_rfc3339(1100)
+    assert conds(st)["Degraded"][0] == "True"
+    st = at(1100 + status.STABLE_SECONDS - 1, True, st)
+    assert conds(st)["Degraded"][0] == "True" and st["groups"][0]["readySince"] == status.now_rfc3339(1100)
+    st = at(1100 + status.STABLE_SECONDS, True, st)
+    assert conds(st)["Degraded"] == ("False", "AsExpected")
+    assert st["groups"][0]["lastRestartTime"] == status.now_rfc3339(1000)
+
+
+def test_documented_reasons_are_the_ones_the_code_writes():
+    # Issue 19: docs/gitops.md showed MinimumGroupsReady and RollingUpdate, which no code writes.
+    import re
+
+    from shoal_op_helpers import ROOT
+
+    code = (ROOT / "operator" / "status.py").read_text() + (ROOT / "operator" / "controller.py").read_text()
+    written = set(re.findall(r'"([A-Z][A-Za-z]+)"', code))
+    for doc in ("gitops.md", "operator.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        documented = set(re.findall(r"reason:\s*([A-Z][A-Za-z]+)", text))
+        assert documented <= written, (doc, documented - written)

@@ -42,6 +42,9 @@ def main() -> int:
     p.add_argument("--forever", action="store_true")
     p.add_argument("--port", type=int, default=0, help="worker: the probe port")
     p.add_argument("--probe-port", type=int, default=0, help="leader: a worker pod's probe port to check")
+    p.add_argument("--drain-on-sigterm", action="store_true",
+                   help="leader --forever: on SIGTERM add no requests, finish those in flight, print DRAINED N, "
+                        "shut the group down (as the server's drain does)")
     a = p.parse_args()
     config = EngineConfig(model=a.model, tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp, kv_cache_memory=a.kv,
                           max_num_batched_tokens=128, extra={"heartbeat_timeout": 5.0})
@@ -55,9 +58,19 @@ def main() -> int:
     ex = engine.executor
     print("PIDS", os.getpid(), *[c.pid for c in getattr(ex, "children", [])], flush=True)
     if a.forever:
+        import signal
+
         params = SamplingParams(max_tokens=100, min_tokens=100, temperature=0.0)
-        n, announced = 0, False
+        n, announced, finished, term = 0, False, 0, []
+        if a.drain_on_sigterm:
+            signal.signal(signal.SIGTERM, lambda *_: term.append(1))
         while True:
+            if term:
+                while engine.has_unfinished_requests():
+                    finished += sum(o.finished for o in engine.step())
+                print("DRAINED", finished, flush=True)
+                engine.shutdown()
+                return 0
             if not engine.has_unfinished_requests():
                 for prompt in mixed_prompts():
                     engine.add_request(f"r{n}", prompt, params)

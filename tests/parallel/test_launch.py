@@ -258,3 +258,54 @@ def _config(model_dir):
     from shoal.runtime.models.loader import load_config
 
     return load_config(model_dir)
+
+
+# ---------------------------------------------------------------- SIGTERM (issue 19, defect 4)
+
+
+def test_a_terminated_group_drains_through_its_worker_pod(tiny_dir):
+    """Kubernetes signals every pod of a deleted group at once. The worker pod must keep
+    serving its stage until the leader has finished the requests in flight and stops the
+    group: both exit 0 and the requests finish (a worker that died on SIGTERM, as before,
+    failed the leader's drain)."""
+    tp, pp, port = 1, 2, free_port()
+    env = dict(pod_env(1, tp, pp, port), SHOAL_DRAIN_TIMEOUT="60")
+    worker = start("worker", tiny_dir, (tp, pp), env, "--port", "0")
+    leader = start("leader", tiny_dir, (tp, pp), pod_env(0, tp, pp, port), "--forever", "--drain-on-sigterm")
+    try:
+        wait_for_line(leader, "GENERATING")
+        os.kill(worker.pid, signal.SIGTERM)
+        time.sleep(1.5)  # the worker pod would be gone by now
+        assert worker.poll() is None, "the worker pod exited on SIGTERM before the leader stopped the group"
+        os.kill(leader.pid, signal.SIGTERM)
+        drained = int(wait_for_line(leader, "DRAINED", timeout=120).split()[1])
+        assert drained > 0
+        assert leader.wait(60) == 0
+        assert worker.wait(30) == 0   # stopped by the leader, cleanly
+    finally:
+        reap(leader, worker)
+
+
+def test_sigterm_bound_when_the_leader_never_stops_the_group():
+    """In-process: SIGTERM does not kill; after the drain timeout (+ margin) the rank exits 0."""
+    import threading
+
+    from shoal.runtime.executor import worker_pod
+
+    exits = []
+    done = threading.Event()
+    old_handler = signal.getsignal(signal.SIGTERM)
+    old_margin = worker_pod.WORKER_DRAIN_MARGIN
+    worker_pod.WORKER_DRAIN_MARGIN = 0.2
+    try:
+        assert worker_pod.keep_serving_on_sigterm(0.3, exit_=lambda code: (exits.append(code), done.set()))
+        started = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        assert exits == []                       # still here, still serving
+        assert done.wait(5)
+        assert exits == [0] and time.monotonic() - started >= 0.5
+    finally:
+        worker_pod.WORKER_DRAIN_MARGIN = old_margin
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, old_handler)
