@@ -12,11 +12,10 @@ import dataclasses
 import logging
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, status, validate
+from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, scrape, status, validate
 from shoal.operator.kube import ApiError, Kube
 
 log = logging.getLogger("shoal.operator")
@@ -28,38 +27,6 @@ A_RESTARTS = "shoal.dev/restarts"
 A_RESTARTED_AT = "shoal.dev/restarted-at"
 OPTIONAL_STATUS = ("autoscaler", "modelCache")  # present only while their feature is on
 A_RESTART_TIMES = "shoal.dev/recent-restarts"   # epoch seconds within status.RESTART_WINDOW_SECONDS
-
-
-# ---------------------------------------------------------------- runtime metrics
-
-def fetch_metrics(url: str, timeout: float = 2.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (cluster-internal http)
-        return resp.read().decode()
-
-
-def queue_depth(text: str) -> float:
-    """Requests a leader holds: shoal_num_requests_running + shoal_num_requests_waiting (all models)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in ("shoal_num_requests_running", "shoal_num_requests_waiting"):
-                total += float(sample.value)
-    return total
-
-
-def metrics_url(pod: dict[str, Any]) -> str | None:
-    ip = (pod.get("status") or {}).get("podIP")
-    if not ip:
-        return None
-    port = render.HTTP_PORT
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        for p in c.get("ports") or []:
-            if p.get("name") == "http":
-                port = p.get("containerPort", port)
-    host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}/metrics"
 
 
 # ---------------------------------------------------------------- observed state
@@ -162,19 +129,19 @@ def owned_by(obj: dict[str, Any], uid: str | None) -> bool:
 Events = Callable[[dict[str, Any], str, str, str], None]   # (body, type, reason, message)
 
 
-def _log_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+def log_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
     log.info("%s/%s %s %s: %s", body["metadata"].get("namespace"), body["metadata"]["name"], type_, reason, message)
 
 
 class Controller:
-    def __init__(self, kube: Kube | Callable[[], Kube], *, events: Events = _log_event,
+    def __init__(self, kube: Kube | Callable[[], Kube], *, events: Events = log_event,
                  clock: Callable[[], float] = time.time, cluster_domain: str = "cluster.local",
                  fetch: Callable[[str], str] | None = None, allow_service_account: bool = False):
         self._kube = kube
         self.events = events
         self.clock = clock
         self.cluster_domain = cluster_domain
-        self.fetch = fetch or fetch_metrics
+        self.fetch = fetch or scrape.fetch_metrics
         self.allow_service_account = allow_service_account   # an admin's choice (--allow-pod-service-account)
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], dict[str, bool]] = {}
@@ -526,11 +493,11 @@ class Controller:
             if not g.ready or g.terminating:
                 continue
             leader = next((p for p in obs.pods.get(g.name, []) if pod_index(p) == 0), None)
-            url = metrics_url(leader) if leader else None
+            url = scrape.metrics_url(leader) if leader else None
             if not url:
                 continue
             try:
-                out[g.name] = queue_depth(self.fetch(url))
+                out[g.name] = scrape.queue_depth(self.fetch(url))
             except Exception as e:  # a leader that does not answer simply does not report
                 log.debug("scrape %s failed: %s", url, e)
         return out

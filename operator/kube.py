@@ -16,9 +16,10 @@ from urllib.parse import quote
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from shoal.operator.render import FIELD_MANAGER
 
 log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "shoal-operator"  # server-side apply: the fields this operator owns
 
 PLURALS = {
     "Service": "services",

@@ -33,7 +33,7 @@ _controller: controller_mod.Controller | None = None
 
 
 def _event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    controller_mod._log_event(body, type_, reason, message)
+    controller_mod.log_event(body, type_, reason, message)
     try:
         kopf.event(body, type=type_, reason=reason, message=message)
     except LookupError:  # outside kopf's context (no poster): the log line is all

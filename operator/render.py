@@ -42,7 +42,6 @@ RUN_AS_USER = 1000
 # HF_HOME under HOME=/home/shoal in the images, temporary files).
 WRITABLE_DIRS = (("tmp", "/tmp"), ("home", "/home/shoal"))
 WRITABLE_DIR_SIZE = "4Gi"
-FIELD_MANAGER = "shoal-operator"
 
 L_DEPLOYMENT = "shoal.dev/deployment"
 L_GROUP = "shoal.dev/group"

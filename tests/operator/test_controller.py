@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from shoal.operator import controller as ctl
-from shoal.operator import metrics, render
+from shoal.operator import metrics, render, scrape
 from shoal_op_helpers import FakeKube, make_body
 
 METRICS = """# TYPE shoal_num_requests_running gauge
@@ -50,10 +50,10 @@ def status(kube):
 
 
 def test_queue_depth_sums_running_and_waiting():
-    assert ctl.queue_depth(METRICS % (3, 4)) == 8
-    assert ctl.metrics_url({"status": {"podIP": "10.1.2.3"}, "spec": {"containers": [
+    assert scrape.queue_depth(METRICS % (3, 4)) == 8
+    assert scrape.metrics_url({"status": {"podIP": "10.1.2.3"}, "spec": {"containers": [
         {"ports": [{"name": "http", "containerPort": 8000}]}]}}) == "http://10.1.2.3:8000/metrics"
-    assert ctl.metrics_url({"status": {}}) is None
+    assert scrape.metrics_url({"status": {}}) is None
 
 
 def test_reconcile_creates_groups_and_reports_status(world):

@@ -105,12 +105,12 @@ def cluster(kmock, tmp_path, monkeypatch, fake_metrics):
     monkeypatch.setenv("SHOAL_OPERATOR_SCANNING", "0")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     kube_mod.reset_default()
-    from shoal.operator import controller, main
+    from shoal.operator import main, scrape
 
     main._controller = None
     # The pods' IPs point at 127.0.0.1; the runtime's port 8000 is the in-test server's port.
-    real_url = controller.metrics_url
-    monkeypatch.setattr(controller, "metrics_url",
+    real_url = scrape.metrics_url
+    monkeypatch.setattr(scrape, "metrics_url",
                         lambda pod: (real_url(pod) or "").replace(f":{render.HTTP_PORT}/", f":{fake_metrics}/") or None)
     yield kmock
     kube_mod.reset_default()
