@@ -213,6 +213,10 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, Request] = {}
         for i, seq in enumerate(targets):
+            if i in result.failed:  # this request's values broke its sampling: it fails alone
+                self._fail(seq, result.failed[i])
+                touched[seq.request.request_id] = seq.request
+                continue
             if seq.finished:  # aborted while its batch was in the pipe
                 continue
             if seq.status is Status.WAITING and seq.index > 0 and not seq.block_table:
@@ -234,6 +238,12 @@ class LLMEngine:
             if (out := request.output()) is not None:
                 outputs.append(out)
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """Finish every sequence of the request with finish_reason 'error'."""
+        for s in seq.request.seqs:
+            if not s.finished:
+                self._finish(s, "error", message)
 
     def _sample_targets(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:
         """Which flat rows sample, for which sequence. A request with n > 1 forks when its

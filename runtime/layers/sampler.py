@@ -11,9 +11,12 @@ E is drawn as -log(U): on CPU that is ~4x cheaper than `exponential_` over a 50k
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,12 +39,25 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
     num_logprobs: list[int | None] | None = None  # per row: top-k log-probabilities wanted, or None
 
+    def select(self, row: int) -> "SamplingMetadata":
+        """The metadata of one row alone (a batch of one)."""
+        one = {k: v[row : row + 1] if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
+        if self.banned_rows is not None:
+            mine = self.banned_rows == row
+            one["banned_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.banned_rows.device)
+            one["banned_ids"] = self.banned_ids[mine]
+        one["all_greedy"] = bool(self.greedy[row])
+        one["generators"] = {0: self.generators[row]} if row in self.generators else {}
+        one["num_logprobs"] = None if self.num_logprobs is None else [self.num_logprobs[row]]
+        return SamplingMetadata(**one)
+
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # per row, when any row asked for them
     chosen_logprobs: list[float] | None
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why its sampling raised (its token is 0)
 
 
 def _counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -141,11 +157,49 @@ class Sampled:
 
 
 @torch.inference_mode()
-def sample_on_device(logits: torch.Tensor, m: SamplingMetadata) -> Sampled:
-    """logits [S, V], one row per sampling sequence -> the tokens, not yet read back."""
+def sample_on_device(logits: torch.Tensor, m: SamplingMetadata):
+    """logits [S, V], one row per sampling sequence -> the tokens, not yet read back
+    (.result()). When the batch raises, the rows are sampled one by one and those that
+    still raise are reported in the result's `failed`: one request's values fail that
+    request, never the batch. (Rows sampled again start from logits that the failed
+    attempt may already have penalized: a rare path, not worth a copy of every step's logits.)"""
     logits = logits.float()
+    try:
+        return _sample_batch(logits, m)
+    except Exception:  # noqa: BLE001 - isolate the row(s) that raise
+        return _sample_rows(logits, m)
+
+
+def _sample_batch(logits: torch.Tensor, m: SamplingMetadata) -> Sampled:
     raw_logprobs = logits.log_softmax(-1) if m.num_logprobs is not None else None  # the model's, before penalties
     return Sampled(sample_tokens(logits, m), m.num_logprobs, raw_logprobs)
+
+
+def _sample_rows(logits: torch.Tensor, m: SamplingMetadata) -> "Sampled":
+    tokens, logprobs, chosen, failed = [], [], [], {}
+    for row in range(logits.shape[0]):
+        try:
+            r = _sample_batch(logits[row : row + 1], m.select(row)).result()
+        except Exception as e:  # noqa: BLE001
+            log.exception("sampling failed for row %d", row)
+            failed[row] = f"sampling failed: {type(e).__name__}: {e}"
+            r = SampleResult([0], [{}], [0.0])
+        tokens.append(r.token_ids[0])
+        logprobs.append(r.logprobs[0] if r.logprobs else {})
+        chosen.append(r.chosen_logprobs[0] if r.chosen_logprobs else 0.0)
+    done = SampleResult(tokens, logprobs if m.num_logprobs is not None else None,
+                        chosen if m.num_logprobs is not None else None, failed)
+    return Finished(done)
+
+
+class Finished:
+    """Results already on the host."""
+
+    def __init__(self, result: SampleResult):
+        self._result = result
+
+    def result(self) -> SampleResult:
+        return self._result
 
 
 def sample(logits: torch.Tensor, m: SamplingMetadata) -> SampleResult:
