@@ -23,7 +23,7 @@ from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.runtime.executor.executor import make_executor
 from shoal.runtime.executor.model_runner import pad_rows
 from shoal.runtime.executor.model_runner import prepare
-from shoal.runtime.layers.sampler import sample
+from shoal.runtime.layers.sampler import SampleResult, sample
 from shoal.runtime.models.loader import load_config, load_tokenizer, resolve_model
 from shoal.runtime.sampling_params import SamplingParams
 
@@ -197,10 +197,18 @@ class LLMEngine:
 
     def _collect(self, targets: list[Sequence], logits) -> list[RequestOutput]:
         """Sample a batch's logits and append the tokens to its sequences."""
-        result = sample(logits, targets, self.eos_ids)
+        try:
+            result = sample(logits, targets, self.eos_ids)
+        except Exception:  # noqa: BLE001 - one request's values broke the batch: find it, fail it alone
+            result = self._sample_rows(logits, targets)
+        failed: dict[str, str] = getattr(result, "failed", None) or {}
         now = time.time()
         touched: dict[str, Request] = {}
         for i, seq in enumerate(targets):
+            if seq.request.request_id in failed:
+                self._fail(seq, failed[seq.request.request_id])
+                touched[seq.request.request_id] = seq.request
+                continue
             if seq.finished:  # aborted while its batch was in the pipe
                 continue
             if seq.status is Status.WAITING and seq.index > 0 and not seq.block_table:
@@ -221,6 +229,29 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
             outputs.append(request.output())
         return outputs
+
+    def _sample_rows(self, logits, targets: list[Sequence]) -> SampleResult:
+        """Batched sampling raised: sample row by row; the requests whose rows raise go to
+        .failed (request id -> message) and finish with finish_reason 'error'."""
+        tokens, lps, chosen, failed = [], [], [], {}
+        for i, seq in enumerate(targets):
+            try:
+                r = sample(logits[i : i + 1], [seq], self.eos_ids)
+            except Exception as e:  # noqa: BLE001
+                log.exception("sampling failed for request %s", seq.request.request_id)
+                failed[seq.request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                r = SampleResult([0], None, None)
+            tokens.append(r.token_ids[0])
+            lps.append(r.logprobs[0] if r.logprobs is not None else {})
+            chosen.append(r.chosen_logprobs[0] if r.chosen_logprobs is not None else 0.0)
+        result = SampleResult(tokens, lps, chosen)
+        result.failed = failed
+        return result
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        for s in seq.request.seqs:
+            if not s.finished:
+                self._finish(s, "error", message)
 
     def _sample_targets(self, batch: ScheduledBatch) -> tuple[list[int], list[Sequence]]:
         """Which flat rows sample, for which sequence. A request with n > 1 forks when its
