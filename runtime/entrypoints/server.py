@@ -15,6 +15,10 @@ at once.
 Errors always have OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 bad
 input, 401 bad key, 404 unknown model or path, 413 body too large, 503 queue full / loading /
 draining. Nothing a client sends should produce a 5xx.
+
+Every value that reaches a tensor is validated and bounded here, at the edge (protocol.py);
+prompts are rendered and tokenized on a thread pool (prompts.py), never on the event loop
+or the engine's step, and one whose size alone proves it cannot fit is refused before.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shoal.runtime.engine.async_engine import Accepted, AsyncEngine, EngineDead, EngineNotReady, Failed, Output, QueueFull, Rejected
+from shoal.runtime.engine.async_engine import Accepted, AsyncEngine, EngineDead, EngineNotReady, Failed, NeverFits, Output, QueueFull, Rejected
 from shoal.runtime.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,6 +50,7 @@ from shoal.runtime.entrypoints.protocol import (
     ErrorResponse,
     ModelList,
 )
+from shoal.runtime.entrypoints.prompts import PromptTokenizer, PromptTooLong, context_error
 from shoal.runtime.metrics import ServerMetrics
 
 logger = logging.getLogger("shoal.server")
@@ -62,7 +67,25 @@ class APIError(Exception):
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    s = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate echoed from a request: escape it, never fail the response
+        s = json.dumps(obj, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+    return s
+
+
+PROBE_PATHS = ("/health", "/ready", "/metrics")
+
+
+def request_id_of(scope) -> str:
+    return (scope.get("state") or {}).get("request_id", "-")
+
+
+def log_refusal(status: int, method: str, path: str, request_id: str, message: str) -> None:
+    """Each 4xx with its reason and request id (5xx are logged where they happen)."""
+    if 400 <= status < 500:
+        logger.info("%d %s %s request_id=%s: %s", status, method, path, request_id, message[:300].encode("utf-8", "backslashreplace").decode())
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
@@ -101,10 +124,24 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
+        # X-Request-Id: the client's (printable ASCII, at most 128 characters) or a new one;
+        # echoed on the response and written in the log line of every refusal.
+        rid = headers.get(b"x-request-id", b"")
+        rid = rid.decode("ascii") if 0 < len(rid) <= 128 and rid.isascii() and rid.decode("ascii").isprintable() else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        rid_header = (b"x-request-id", rid.encode("ascii"))
+        inner_send = send
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", []), rid_header])
+            await inner_send(message)
+
         if self.api_key is not None and path.startswith("/v1"):
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                log_refusal(401, scope.get("method", ""), path, rid, "missing or invalid API key")
                 resp = error_response(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.", "invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, send)
         if path.startswith("/v1") and not headers.get(b"content-type", b"").lower().startswith(b"application/json"):
@@ -133,14 +170,20 @@ class GuardMiddleware:
         return await self.app(scope, limited_receive, send)
 
     async def _too_large(self, scope, receive, send):
+        log_refusal(413, scope.get("method", ""), scope.get("path", ""), request_id_of(scope), f"body larger than {self.max_body} bytes")
         resp = error_response(413, f"request body larger than {self.max_body} bytes", "invalid_request_error", code="request_too_large", headers={"Connection": "close"})
         await resp(scope, receive, send)
 
 
 # ------------------------------------------------------------------------------ server state
 class ServerState:
-    def __init__(self, config, *, api_key: str | None = None, max_waiting: int = 512, stall_timeout: float = 60.0, drain_timeout: float = 30.0, max_body_bytes: int = 8 * 2**20, engine_factory=None):
+    def __init__(self, config, *, api_key: str | None = None, max_waiting: int = 512, stall_timeout: float = 60.0, drain_timeout: float = 30.0, max_body_bytes: int = 8 * 2**20, engine_factory=None,
+                 chat_template: str | None = None, max_logprobs: int = 20, log_stats_interval: float = 10.0):
         self.config = config
+        self.chat_template = chat_template
+        self.max_logprobs = max_logprobs
+        self.log_stats_interval = log_stats_interval
+        self.prompts: PromptTokenizer | None = None
         self.model_name = config.name
         self.api_key = api_key
         self.drain_timeout = drain_timeout
@@ -157,6 +200,8 @@ class ServerState:
         self.uvicorn = None
         self.exit_code = 0
         self._tok_cache: dict[int, str] = {}
+        # the gauge tells what /ready tells, read at each scrape (an engine that died turns it 0)
+        self.metrics.ready.set_function(lambda: 1.0 if self.ready()[0] else 0.0)
 
     # -- readiness ----------------------------------------------------------------------
     def ready(self) -> tuple[bool, str]:
@@ -202,7 +247,9 @@ class ServerState:
         for phase, seconds in e.load_times.items():
             self.metrics.startup_phase(phase, seconds)
             logger.info("startup phase %-9s %7.2f s", phase, seconds)
-        self.metrics.ready.set(1)
+        self.prompts = PromptTokenizer(e.tokenizer, e.max_model_len, chat_template=self.chat_template)
+        if self.chat_template:
+            e.tokenizer.chat_template = self.chat_template
         logger.info("model %s ready: max_model_len %s", self.model_name, e.max_model_len)
 
     # -- tokens ---------------------------------------------------------------------------
@@ -216,12 +263,38 @@ class ServerState:
             self._tok_cache[token_id] = s
         return s
 
+    # -- the periodic stats line -----------------------------------------------------------
+    async def log_stats_forever(self) -> None:
+        """A line every log_stats_interval seconds, as vLLM prints: throughput since the last
+        line, running and waiting requests, KV cache use, prefix cache hit rate. At INFO while
+        there is (or just was) work, at DEBUG when idle."""
+        last, last_t, was_active = None, time.monotonic(), False
+        while True:
+            await asyncio.sleep(self.log_stats_interval)
+            st = self.engine.stats
+            if st is None:
+                continue
+            now = time.monotonic()
+            dt, last_t = max(now - last_t, 1e-9), now
+            if last is None:
+                last = type(st)(**{k: 0 for k in vars(st)}) if hasattr(st, "__dict__") else st
+            prompt_tps = (st.prompt_tokens - last.prompt_tokens) / dt
+            gen_tps = (st.generation_tokens - last.generation_tokens) / dt
+            queries = st.prefix_cache_queries - last.prefix_cache_queries
+            hits = st.prefix_cache_hits - last.prefix_cache_hits
+            waiting = self.engine.num_waiting
+            active = bool(prompt_tps or gen_tps or st.num_running or waiting)
+            (logger.info if active or was_active else logger.debug)(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+                "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                prompt_tps, gen_tps, st.num_running, waiting, 100 * st.kv_cache_usage, 100 * hits / queries if queries else 0.0)
+            last, was_active = st, active
+
     # -- draining -------------------------------------------------------------------------
     def start_drain(self) -> None:
         if getattr(self, "_drain_task", None) is not None:
             return
         self.draining = True
-        self.metrics.ready.set(0)
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
@@ -297,6 +370,8 @@ class _Job:
             raise APIError(400, item.message, "invalid_request_error", param="prompt")
         if isinstance(item, Failed):
             self.unfinished.discard(item.request_id)
+            if item.engine_alive:  # this request alone failed inside the engine: a bug, not the client's fault
+                raise APIError(500, item.message, "server_error", code="request_failed")
             raise unavailable(item.message, "engine_failed")
         assert isinstance(item, Output)
         if item.num_prompt_tokens:
@@ -392,7 +467,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app):
         state.loop = asyncio.get_running_loop()
         state.engine.start(state.loop, on_loaded=state.on_loaded)
+        stats_task = asyncio.ensure_future(state.log_stats_forever()) if state.log_stats_interval > 0 else None
         yield
+        if stats_task is not None:
+            stats_task.cancel()
+        if state.prompts is not None:
+            state.prompts.close()
         state.engine.stop()
 
     app = FastAPI(title="Shoal", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -401,6 +481,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        log_refusal(exc.status, request.method, request.url.path, request_id_of(request.scope), exc.message)
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -408,15 +489,19 @@ def build_app(state: ServerState) -> FastAPI:
         parts, param = [], None
         for err in exc.errors()[:5]:
             if err.get("type") == "json_invalid":
-                return error_response(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})", "invalid_request_error")
+                return _refuse(request, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
             if err.get("loc") in (("body",), ["body"]) and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
-                return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+                return _refuse(request, "the request body must be a JSON object")
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             if param is None and loc:
                 param = loc[0]
             where = ".".join(loc) or "body"
             parts.append(f"{where}: {err.get('msg', 'invalid')}")
-        return error_response(400, "; ".join(parts) or "invalid request body", "invalid_request_error", param=param)
+        return _refuse(request, "; ".join(parts) or "invalid request body", param)
+
+    def _refuse(request: Request, message: str, param: str | None = None) -> Response:
+        log_refusal(400, request.method, request.url.path, request_id_of(request.scope), message)
+        return error_response(400, message, "invalid_request_error", param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -424,6 +509,7 @@ def build_app(state: ServerState) -> FastAPI:
         if exc.status_code == 404:
             detail = f"no such endpoint: {request.method} {request.url.path}"
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        log_refusal(exc.status_code, request.method, request.url.path, request_id_of(request.scope), detail)
         return error_response(exc.status_code, detail, type_, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -465,24 +551,58 @@ def build_app(state: ServerState) -> FastAPI:
     def _prepare(req) -> None:
         state.check_accepting()
         state.check_model(req.model)
-        msg = req.unsupported()
-        if msg:
-            raise APIError(400, msg)
+        unsupported = req.unsupported()
+        if unsupported:
+            raise APIError(400, unsupported[0], param=unsupported[1])
+        if req.priority != 0 and state.config.scheduling_policy != "priority":
+            raise APIError(400, "priority other than 0 needs --scheduling-policy priority (this server schedules fcfs)", param="priority")
 
     def _params(req, max_tokens, logprobs):
+        if logprobs is not None and logprobs > state.max_logprobs:
+            raise APIError(400, f"at most {state.max_logprobs} logprobs per token (--max-logprobs), got {logprobs}",
+                           param="top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return req.sampling_params(max_tokens, logprobs, state.engine.vocab_size)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
 
     def _admit(count: int) -> None:
+        state.check_accepting()  # again after an await: draining may have begun meanwhile
         try:
             state.engine.admit(count)
+        except NeverFits as e:
+            raise APIError(400, str(e), param="prompt") from None
         except QueueFull as e:
             state.metrics.rejected("queue_full")
             raise unavailable(str(e), "queue_full") from None
         except (EngineNotReady, EngineDead) as e:
             raise unavailable(str(e), "not_ready") from None
+
+    async def _tokenize(fn, *args, param: str = "prompt") -> list[int]:
+        """fn(*args) on the tokenizer pool: token ids, or a 400."""
+        try:
+            return await state.prompts.run(fn, *args)
+        except PromptTooLong as e:
+            raise APIError(400, str(e), param=param) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+        except Exception as e:  # noqa: BLE001 - a template or tokenizer that rejects the input
+            what = "apply the chat template" if param == "messages" else "tokenize the prompt"
+            raise APIError(400, f"could not {what}: {type(e).__name__}: {e}", param=param) from None
+
+    def _check_fits(ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
+        limit = state.engine.max_model_len
+        if not ids:
+            raise APIError(400, "the conversation renders to an empty prompt" if param == "messages" else "prompt must not be empty", param=param)
+        if len(ids) >= limit:
+            raise APIError(400, context_error(len(ids), limit), param=param)
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise APIError(400, context_error(len(ids), limit, max_tokens), param="max_tokens")
+        vocab = state.engine.vocab_size
+        if vocab:
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
     async def _await_accepted(job: _Job) -> list:
         """Wait until every engine request is accepted or one is rejected (-> 400).
@@ -510,14 +630,21 @@ def build_app(state: ServerState) -> FastAPI:
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
         params = _params(req, req.max_tokens, req.logprobs)
-        _admit(len(prompts))
+        _admit(len(prompts))  # before tokenizing: a full queue costs no work
+        ids = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt = await _tokenize(state.prompts.text_ids, prompt)
+            _check_fits(prompt, req.max_tokens)
+            ids.append(prompt)
+        _admit(len(prompts))  # and again with no await before submit: the bound holds
         job = _Job(state, f"cmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         echo_text = {}
         if req.echo:
             for p, prompt in enumerate(prompts):
                 echo_text[p] = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
-        job.submit(prompts, params)
+        job.submit(ids, params)
         if req.stream:
             early = await _await_accepted(job)
             return _stream_completions(req, job, created, echo_text, early)
@@ -564,18 +691,10 @@ def build_app(state: ServerState) -> FastAPI:
         return _sse_response(_event_stream(job, early, render, base, include_usage, "".join(first)))
 
     # -- chat -----------------------------------------------------------------------
-    def _chat_prompt(req: ChatCompletionRequest) -> list[int]:
-        tok = state.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions")
+    async def _chat_prompt(req: ChatCompletionRequest, max_tokens: int | None) -> list[int]:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-        except Exception as e:  # noqa: BLE001 - a template that rejects the conversation
-            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
-        if not ids:
-            raise APIError(400, "the conversation renders to an empty prompt", param="messages")
+        ids = await _tokenize(state.prompts.chat_ids, messages, req.add_generation_prompt, param="messages")
+        _check_fits(ids, max_tokens, param="messages")
         return ids
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
@@ -584,7 +703,8 @@ def build_app(state: ServerState) -> FastAPI:
         k = req.num_logprobs()
         params = _params(req, req.completion_tokens_limit(), k)
         _admit(1)
-        ids = _chat_prompt(req)
+        ids = await _chat_prompt(req, req.completion_tokens_limit())
+        _admit(1)
         job = _Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         job.submit([ids], params)
@@ -664,10 +784,41 @@ def _sse_response(gen) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def build_asgi(state: ServerState):
-    """The FastAPI app wrapped in the key/body guard: what uvicorn serves."""
+def build_asgi(state: ServerState, allowed_origins: list[str] | None = None):
+    """The FastAPI app wrapped in the key/body guard (and CORS when origins are given): what uvicorn serves."""
     app = build_app(state)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
     return app, GuardMiddleware(app, state.api_key, state.max_body_bytes)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _ProbeFilter(logging.Filter):
+    """Access-log lines of /health, /ready and /metrics are DEBUG: probes every few seconds
+    would drown everything else at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and str(args[2]).split("?")[0] in PROBE_PATHS:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger("uvicorn.access").isEnabledFor(logging.DEBUG) and logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
+def configure_logging(level: str) -> None:
+    """One line format for Shoal's and uvicorn's loggers (uvicorn's own config is not used)."""
+    level = level.upper()
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    for name in ("shoal", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.setLevel(level)
+        lg.handlers.clear()
+        lg.propagate = True
+    logging.getLogger("uvicorn.access").addFilter(_ProbeFilter())
 
 
 # ------------------------------------------------------------------------------ process entry
@@ -678,10 +829,15 @@ def _make_uvicorn_server(config, state: ServerState):
         """uvicorn, except that the first SIGTERM/SIGINT drains instead of stopping at once."""
 
         def handle_exit(self, sig, frame):
-            if sig in (signal.SIGTERM, signal.SIGINT) and not state.draining and state.loop is not None:
-                state.draining = True  # /ready is 503 from this instant
-                state.loop.call_soon_threadsafe(state.start_drain)
-                return
+            if sig in (signal.SIGTERM, signal.SIGINT) and state.loop is not None:
+                if not state.draining:
+                    state.draining = True  # /ready is 503 from this instant
+                    state.loop.call_soon_threadsafe(state.start_drain)
+                    return
+                # a second signal while draining: exit now, as documented (128 + signal, the shell's convention)
+                logger.warning("second %s while draining: exiting now, %d request(s) cut off", signal.Signals(sig).name, state.engine.num_live)
+                logging.shutdown()
+                os._exit(128 + sig)
             super().handle_exit(sig, frame)
 
     return ShoalServer(config)
@@ -692,9 +848,7 @@ def serve(args) -> int:
 
     from shoal.runtime.config import EngineConfig
 
-    level = getattr(args, "log_level", "info").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("shoal").setLevel(level)
+    configure_logging(getattr(args, "log_level", "info"))
     config = EngineConfig.from_args(args)
     from shoal.runtime.executor.launch import run_worker_pod_if_needed
 
@@ -708,15 +862,20 @@ def serve(args) -> int:
         stall_timeout=args.stall_timeout,
         drain_timeout=args.drain_timeout,
         max_body_bytes=args.max_body_bytes,
+        chat_template=getattr(args, "chat_template_text", None),
+        max_logprobs=getattr(args, "max_logprobs", 20),
+        log_stats_interval=0.0 if getattr(args, "disable_log_stats", False) else getattr(args, "log_stats_interval", 10.0),
     )
-    _, asgi = build_asgi(state)
+    _, asgi = build_asgi(state, getattr(args, "allowed_origins", None))
     logger.info("serving %s as %r on http://%s:%d (API key %s)", config.model, state.model_name, args.host, args.port, "required" if state.api_key else "off")
     uv_config = uvicorn.Config(
         asgi,
         host=args.host,
         port=args.port,
+        log_config=None,  # configure_logging: one format for all
         log_level=getattr(args, "log_level", "info"),
         access_log=os.environ.get("SHOAL_ACCESS_LOG", "1") != "0",
+        root_path=getattr(args, "root_path", "") or "",
         lifespan="on",
         ws="none",
         timeout_graceful_shutdown=5,
