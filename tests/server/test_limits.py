@@ -230,3 +230,59 @@ def test_vllm_spellings_parse():
     with pytest.raises(SystemExit):
         serve_args._resolve_vllm_spellings(_serve_parser().parse_args(["--gpu-memory-utilization", "1.5"]))
     assert _serve_parser().parse_args(["--allowed-origins", "https://a,https://b"]).allowed_origins == ["https://a", "https://b"]
+
+
+def test_a_request_failing_inside_the_engine_is_a_500_and_the_engine_lives(monkeypatch):
+    """Sampling that raises for one request (an injected bug) fails that request with a 500;
+    a request beside it in the batch and the next ones are served."""
+    import asyncio as aio
+
+    import uvicorn
+
+    from shoal.runtime.config import EngineConfig
+    from shoal.runtime.engine import engine as engine_mod
+    from shoal.runtime.entrypoints.server import ServerState, build_asgi
+
+    real = engine_mod.sample
+
+    def sample(logits, seqs, eos_ids):
+        if any(s.params.seed == 424242 for s in seqs):
+            raise RuntimeError("injected sampling bug")
+        return real(logits, seqs, eos_ids)
+
+    monkeypatch.setattr(engine_mod, "sample", sample)
+    state = ServerState(EngineConfig(max_model_len=256, kv_cache_memory=2**26, max_num_seqs=4), log_stats_interval=0)
+    _, asgi = build_asgi(state)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.2)
+
+        async def both():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+                return await aio.gather(
+                    c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0.5, "seed": 424242}),
+                    c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "ignore_eos": True, "temperature": 0.5, "seed": 1}))
+
+        bad, good = asyncio.run(both())
+        assert bad.status_code == 500 and bad.json()["error"]["code"] == "request_failed", bad.text
+        assert "injected sampling bug" in bad.json()["error"]["message"]
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/ready").status_code == 200
+        again = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+        assert again.status_code == 200
+        assert metric(url, "shoal_request_success_total", model_name=MODEL, finished_reason="error") == 1
+    finally:
+        server.should_exit = True
+        thread.join(30)
