@@ -46,7 +46,7 @@ class ServerState:
     def ready(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining"
-        if self.engine.state in ("created", "loading"):
+        if self.engine.state in ("created", "loading") or (self.engine.state == "ready" and self.prompts is None):
             return False, "loading the model"
         ok, why = self.engine.health()
         if not ok:
@@ -70,6 +70,9 @@ class ServerState:
         except EngineDead as e:
             self.metrics.rejected("engine_dead")
             raise unavailable(str(e), "engine_dead") from None
+        if self.prompts is None:  # the engine is up, on_loaded has not run on the loop yet
+            self.metrics.rejected("loading")
+            raise unavailable("the model is still loading", "model_loading")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model):

@@ -286,3 +286,18 @@ def test_a_request_failing_inside_the_engine_is_a_500_and_the_engine_lives(monke
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_not_accepting_between_engine_ready_and_on_loaded():
+    """The engine thread marks itself ready before on_loaded runs on the event loop (which
+    builds the tokenizer pool): in between, requests get 503 model_loading, not a 500."""
+    from shoal.runtime.config import EngineConfig
+    from shoal.runtime.entrypoints.errors import APIError
+    from shoal.runtime.entrypoints.state import ServerState
+
+    state = ServerState(EngineConfig(), log_stats_interval=0)
+    state.engine.state, state.engine._thread = "ready", threading.current_thread()
+    with pytest.raises(APIError) as e:
+        state.check_accepting()
+    assert e.value.status == 503 and e.value.code == "model_loading"
+    assert state.ready() == (False, "loading the model")
