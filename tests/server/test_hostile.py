@@ -102,6 +102,22 @@ def test_hostile_numbers_are_400_and_the_engine_lives(h, data):
     assert h.get("/ready").status_code == 200
 
 
+def test_every_hostile_value_of_the_table_is_400(h):
+    """The whole table, both endpoints, every value (the property test above samples it)."""
+    for endpoint, table in (("completions", HOSTILE), ("chat", {**HOSTILE, **CHAT_HOSTILE})):
+        for field, values in table.items():
+            if endpoint == "chat" and field in ("logprobs", "best_of"):
+                continue
+            for value in values + ([["x"] * 65, "y" * 1025] if field == "stop_token_ids" else []):
+                key = "stop" if isinstance(value, list) and value and value[0] == "x" or isinstance(value, str) and len(value) > 1000 else field
+                body = {"max_tokens": 2, **({"prompt": "Hi"} if endpoint == "completions" else {"messages": CHAT, "logprobs": key == "top_logprobs"})}
+                body[key] = value
+                path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+                r = h.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+                assert r.status_code == 400, (endpoint, key, value, r.text[:200])
+    assert_alive(h)
+
+
 def test_valid_extremes_are_served(h):
     """The other side of each edge: accepted, and the engine lives."""
     for extra in ({"top_k": VOCAB}, {"top_k": 2**63 - 1}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"presence_penalty": -2, "frequency_penalty": 2},
