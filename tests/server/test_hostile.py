@@ -141,13 +141,15 @@ def test_valid_extremes_are_served(h):
 def test_lone_surrogates_are_a_clean_400(h, raw, param):
     r = h.post("/v1/completions", content=raw.encode(), headers={"content-type": "application/json"})
     err = assert_400(r, param)
-    assert "tokeniz" not in err["message"].lower() and "Traceback" not in err["message"]
+    if param != "logit_bias":  # our own words, not the tokenizer's or the codec's (logit_bias: refused as unsupported)
+        assert "is not valid Unicode: a lone surrogate" in err["message"] and "codec" not in err["message"], err
     assert_alive(h)
 
 
 def test_lone_surrogate_in_chat_and_model_path(h):
     raw = r'{"messages":[{"role":"user","content":"\ud800"}],"max_tokens":1}'
-    assert_400(h.post("/v1/chat/completions", content=raw.encode(), headers={"content-type": "application/json"}), "messages")
+    err = assert_400(h.post("/v1/chat/completions", content=raw.encode(), headers={"content-type": "application/json"}), "messages")
+    assert "not valid Unicode" in err["message"]
     r = h.get("/v1/models/%ED%A0%80")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
