@@ -3,16 +3,22 @@
     shoal bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 4
     shoal bench serve --max-concurrency 16 --json out.json
     shoal bench serve --sweep 0.5,1,2,4 --plot latency.png
+    shoal bench serve --endpoint /v1/chat/completions --goodput ttft:500 tpot:50 --plot one-rate.png
     shoal bench serve --compare-offline --workload public --engine-args '--max-num-seqs 64'   # HTTP overhead
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once) or are held at
 --max-concurrency in flight. Lengths are ShareGPT-like: prompt and output lengths drawn
 log-uniformly (many short, a long tail) from a fixed --seed, prompt token ids uniform in
 [1000, 40000); every request is forced to its full output length (min_tokens = max_tokens,
-ignore_eos), so runs are comparable. Each request streams from /v1/completions; we report
-throughput (requests/s, output tokens/s), time to first token, inter-token latency (gap
-between streamed chunks, as vLLM's benchmark does) and end-to-end latency, each as mean,
-p50, p90 and p99.
+ignore_eos), so runs are comparable. Each request streams from /v1/completions (or, with
+--endpoint /v1/chat/completions, from chat, its prompt written as words); we print what
+`vllm bench serve` prints: requests, duration, input and output token totals, request,
+goodput and token throughput, peak concurrency, and time to first token, time per output
+token (TPOT, excluding the first), inter-token latency (gap between streamed chunks) and
+end-to-end latency, each as mean, median, p90 and p99. Goodput counts the requests per
+second that meet every --goodput SLO (ttft, tpot, e2el in ms), as vLLM's does. A progress
+bar shows requests as they finish (--disable-tqdm to turn it off). --plot draws latency
+against the rate with --sweep, and each latency's distribution (CDF) for a single rate.
 
 `http_overhead` runs one workload through the offline engine (`LLM.generate`, all prompts
 at once) and then through a `shoal serve` subprocess with the same engine flags (all
@@ -81,12 +87,32 @@ class Result:
     itl: list[float] = field(default_factory=list)
     error: str = ""
 
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None with one token or none."""
+        return (self.latency - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+
+
+# a prompt of token ids as words for the chat endpoint (common words: about a token each)
+_WORDS = ("the of and to in is it that for on was with as be at by this had not are but from or have an they which one you were all "
+          "her she there would their we him been has when who will more no if out so said what up its about into than them can only "
+          "other new some could time these two may then do first any my now such like our over man me even most made after also").split()
+
+
+def chat_text(prompt: list[int]) -> str:
+    return " ".join(_WORDS[t % len(_WORDS)] for t in prompt)
+
 
 async def _one(client, url: str, model: str, item: Item, headers: dict) -> Result:
     import httpx
 
-    body = {"model": model, "prompt": item.prompt, "max_tokens": item.output_len, "min_tokens": item.output_len, "ignore_eos": True,
+    body = {"model": model, "max_tokens": item.output_len, "min_tokens": item.output_len, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    chat = url.endswith("/chat/completions")
+    if chat:
+        body["messages"] = [{"role": "user", "content": chat_text(item.prompt)}]
+    else:
+        body["prompt"] = item.prompt
     res = Result(False, len(item.prompt))
     t0 = time.perf_counter()
     last = None
@@ -103,7 +129,8 @@ async def _one(client, url: str, model: str, item: Item, headers: dict) -> Resul
                     res.error = chunk["error"].get("message", "error")
                     return res
                 now = time.perf_counter()
-                if chunk.get("choices") and (chunk["choices"][0].get("text") or chunk["choices"][0].get("finish_reason")):
+                choice = chunk["choices"][0] if chunk.get("choices") else None
+                if choice is not None and ((choice.get("delta") or {}).get("content") if chat else choice.get("text") or choice.get("finish_reason")):
                     if last is None:
                         res.ttft = now - t0
                     else:
@@ -111,6 +138,7 @@ async def _one(client, url: str, model: str, item: Item, headers: dict) -> Resul
                     last = now
                 if chunk.get("usage"):
                     res.output_len = chunk["usage"]["completion_tokens"]
+                    res.prompt_len = chunk["usage"]["prompt_tokens"]
     except (httpx.HTTPError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -128,8 +156,25 @@ def _stats(values: list[float]) -> dict:
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99))}
 
 
+def parse_goodput(specs: list[str] | None) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] -> {'ttft': 0.5, 'tpot': 0.05} (seconds); vLLM's --goodput."""
+    slos = {}
+    for spec in specs or []:
+        key, _, ms = spec.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not ms:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, not {spec!r}")
+        slos[key] = float(ms) / 1000
+    return slos
+
+
+def _meets(r: Result, slos: dict[str, float]) -> bool:
+    got = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.latency}
+    return all(got[k] <= v for k, v in slos.items())
+
+
 async def run_load(base_url: str, items: list[Item], *, request_rate: float = math.inf, max_concurrency: int | None = None,
-                   model: str | None = None, api_key: str | None = None, seed: int = 0) -> dict:
+                   model: str | None = None, api_key: str | None = None, seed: int = 0, endpoint: str = "/v1/completions",
+                   goodput: dict[str, float] | None = None, progress: bool = False) -> dict:
     """Send `items` to the server; returns the summary dict (see `format_summary`)."""
     import httpx
     import numpy as np
@@ -143,12 +188,29 @@ async def run_load(base_url: str, items: list[Item], *, request_rate: float = ma
             model = r.json()["data"][0]["id"]
         rng = np.random.Generator(np.random.PCG64(seed + 1))
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(items), desc="requests", unit="req", file=sys.stderr)
+        in_flight = peak = 0
+
+        async def measured(item):
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await _one(client, endpoint, model, item, headers)
+            finally:
+                in_flight -= 1
+                if bar is not None:
+                    bar.update(1)
 
         async def guarded(item):
             if sem is None:
-                return await _one(client, "/v1/completions", model, item, headers)
+                return await measured(item)
             async with sem:
-                return await _one(client, "/v1/completions", model, item, headers)
+                return await measured(item)
 
         tasks = []
         t0 = time.perf_counter()
@@ -158,13 +220,18 @@ async def run_load(base_url: str, items: list[Item], *, request_rate: float = ma
                 await asyncio.sleep(float(rng.exponential(1.0 / request_rate)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
     good = [r for r in results if r.ok]
+    met = [r for r in good if _meets(r, goodput)] if goodput else None
     out_tokens = sum(r.output_len for r in good)
     in_tokens = sum(r.prompt_len for r in good)
     return {
         "model": model,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
         "max_concurrency": max_concurrency,
+        "peak_concurrency": peak,
+        "endpoint": endpoint,
         "num_requests": len(items),
         "completed": len(good),
         "failed": len(results) - len(good),
@@ -173,31 +240,60 @@ async def run_load(base_url: str, items: list[Item], *, request_rate: float = ma
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
         "request_throughput": len(good) / duration if duration else 0.0,
+        "goodput_slos_ms": {k: v * 1000 for k, v in goodput.items()} if goodput else None,
+        "request_goodput": (len(met) / duration if duration else 0.0) if met is not None else None,
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
         "ttft_s": _stats([r.ttft for r in good]),
+        "tpot_s": _stats([r.tpot for r in good if r.tpot is not None]),
         "itl_s": _stats([x for r in good for x in r.itl]),
         "e2e_s": _stats([r.latency for r in good]),
+        # per request, for the single-rate plot (not written to --json)
+        "samples": {"ttft_s": [r.ttft for r in good], "tpot_s": [r.tpot for r in good if r.tpot is not None], "e2e_s": [r.latency for r in good]},
     }
 
 
+_SECTIONS = (("ttft_s", "Time to First Token", "TTFT"), ("tpot_s", "Time per Output Token (excl. 1st token)", "TPOT"),
+             ("itl_s", "Inter-token Latency", "ITL"), ("e2e_s", "End-to-end Latency", "E2EL"))
+
+
 def format_summary(s: dict) -> str:
-    lines = [
-        f"model {s['model']}  rate {s['request_rate']} req/s  concurrency {s['max_concurrency'] or '-'}",
-        f"requests {s['completed']}/{s['num_requests']} ok ({s['failed']} failed) in {s['duration_s']:.2f} s",
-        f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, {s['total_token_throughput']:.1f} total tok/s",
-        f"{'':14}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}   (ms)",
-    ]
-    for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E latency")):
+    """The summary as `vllm bench serve` prints it."""
+    def row(name, value):
+        return f"{name + ':':<40}{value:<10}"
+
+    def num(x, fmt=".2f"):
+        return "-" if x is None else format(x, fmt)
+
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
+             row("Endpoint", s.get("endpoint", "/v1/completions")),
+             row("Request rate (req/s)", s["request_rate"]),
+             row("Successful requests", s["completed"]),
+             row("Failed requests", s["failed"]),
+             row("Maximum request concurrency", s["max_concurrency"] or "-"),
+             row("Benchmark duration (s)", num(s["duration_s"])),
+             row("Total input tokens", s["input_tokens"]),
+             row("Total generated tokens", s["output_tokens"]),
+             row("Request throughput (req/s)", num(s["request_throughput"]))]
+    if s.get("request_goodput") is not None:
+        slos = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput_slos_ms"].items())
+        lines.append(row("Request goodput (req/s)", num(s["request_goodput"])) + f"({slos})")
+    lines += [row("Output token throughput (tok/s)", num(s["output_throughput"])),
+              row("Peak concurrent requests", s.get("peak_concurrency", "-")),
+              row("Total token throughput (tok/s)", num(s["total_token_throughput"]))]
+    for key, title, short in _SECTIONS:
         st = s[key]
-        cells = "".join(f"{st[q] * 1000:>10.1f}" if st[q] is not None else f"{'-':>10}" for q in ("mean", "p50", "p90", "p99"))
-        lines.append(f"{name:14}{cells}")
+        lines.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
+        for q, label in (("mean", "Mean"), ("p50", "Median"), ("p90", "P90"), ("p99", "P99")):
+            lines.append(row(f"{label} {short} (ms)", num(None if st[q] is None else st[q] * 1000)))
+    lines.append("=" * 50)
     for err in s["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
 
 
 def plot_sweep(summaries: list[dict], path: str) -> bool:
+    """Latency against the request rate (several runs), or each latency's distribution (one run)."""
     try:
         import matplotlib
 
@@ -206,17 +302,33 @@ def plot_sweep(summaries: list[dict], path: str) -> bool:
     except ImportError:
         print("matplotlib is not installed; no plot", file=sys.stderr)
         return False
-    rates = [s["request_rate"] if s["request_rate"] != "inf" else float("nan") for s in summaries]
+    panels = (("ttft_s", "time to first token"), ("tpot_s", "time per output token"), ("e2e_s", "end-to-end latency"))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, (key, title) in zip(axes, (("ttft_s", "time to first token"), ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency"))):
-        for q in ("p50", "p90", "p99"):
-            ax.plot(rates, [(s[key][q] or float("nan")) * 1000 for s in summaries], marker="o", label=q)
-        ax.set_title(title)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("ms")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"shoal bench serve: {summaries[0]['model']}")
+    if len(summaries) == 1:
+        s = summaries[0]
+        for ax, (key, title) in zip(axes, panels):
+            values = sorted(v * 1000 for v in s.get("samples", {}).get(key, []))
+            if values:
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post")
+                for q in ("p50", "p90", "p99"):
+                    ax.axvline(s[key][q] * 1000, linestyle=":", alpha=0.6, label=f"{q} {s[key][q] * 1000:.0f} ms")
+                ax.legend()
+            ax.set_title(title)
+            ax.set_xlabel("ms")
+            ax.set_ylabel("fraction of requests")
+            ax.grid(True, alpha=0.3)
+        fig.suptitle(f"shoal bench serve: {s['model']}, rate {s['request_rate']} req/s, {s['completed']} requests")
+    else:
+        rates = [s["request_rate"] if s["request_rate"] != "inf" else float("nan") for s in summaries]
+        for ax, (key, title) in zip(axes, panels):
+            for q in ("p50", "p90", "p99"):
+                ax.plot(rates, [(s[key][q] or float("nan")) * 1000 for s in summaries], marker="o", label=q)
+            ax.set_title(title)
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylabel("ms")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"shoal bench serve: {summaries[0]['model']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -302,7 +414,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="16:512", help="MIN:MAX output tokens (log-uniform)")
     parser.add_argument("--workload", choices=["sharegpt", "public"], default="sharegpt", help="public: PERFORMANCE.md's 32-request workload")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
-    parser.add_argument("--plot", default=None, help="PNG of latency against request rate (with --sweep)")
+    parser.add_argument("--plot", default=None, help="PNG: latency against request rate (with --sweep), or its distribution (one rate)")
+    parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"], help="the API to load")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS (as vLLM's)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--compare-offline", action="store_true", help="measure HTTP overhead: offline LLM vs a `shoal serve` subprocess")
     parser.add_argument("--engine-args", default="", help="with --compare-offline: engine flags for both, one string (e.g. '--max-num-seqs 64')")
     parser.set_defaults(func=run)
@@ -341,15 +456,21 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(report, f, indent=2, default=str)
         return 0
     rates = [float(x) for x in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    try:
+        slos = parse_goodput(args.goodput)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     summaries = []
     for rate in rates:
-        s = asyncio.run(run_load(args.base_url, items, request_rate=rate, max_concurrency=args.max_concurrency, model=args.model, api_key=args.api_key, seed=args.seed))
+        s = asyncio.run(run_load(args.base_url, items, request_rate=rate, max_concurrency=args.max_concurrency, model=args.model, api_key=args.api_key, seed=args.seed,
+                                 endpoint=args.endpoint, goodput=slos, progress=not args.disable_tqdm))
         summaries.append(s)
         print(format_summary(s))
         print()
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"workload": {"kind": args.workload, "num_prompts": len(items), "seed": args.seed}, "runs": summaries}, f, indent=2)
+            runs = [{k: v for k, v in s.items() if k != "samples"} for s in summaries]
+            json.dump({"workload": {"kind": args.workload, "num_prompts": len(items), "seed": args.seed}, "runs": runs}, f, indent=2)
     if args.plot:
         if plot_sweep(summaries, args.plot):
             print(f"plot written to {args.plot}")

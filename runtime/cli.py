@@ -10,8 +10,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal", description="Serve LLMs on Kubernetes")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     from shoal.runtime.entrypoints import serve_args
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=serve_args.HelpFormatter)
 
     serve_args.add_arguments(serve)
 

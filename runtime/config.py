@@ -82,23 +82,27 @@ def parse_memory(text: str) -> float:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The vLLM-style flags of docs/design.md; defaults live in EngineConfig."""
+    """The vLLM-style flags of docs/design.md; defaults live in EngineConfig (and are shown in --help)."""
+    d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="HF directory, .gguf file or builtin://NAME")
-    g.add_argument("--served-model-name")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int)
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int)
-    g.add_argument("--max-num-seqs", type=int)
-    g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--block-size", type=int)
-    g.add_argument("--kv-cache-memory", type=parse_memory, help="bytes (e.g. 2GiB) or a fraction of free GPU memory")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
-    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", help="cpu or cuda")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    g.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"HF directory, .gguf file or builtin://NAME (default: {DEFAULT_MODEL})")
+    g.add_argument("--served-model-name", help="the model name clients send and /v1/models lists (default: the last part of MODEL)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, help=f"tensor-parallel ranks per group (default: {d.tensor_parallel_size})")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, help=f"pipeline stages per group (default: {d.pipeline_parallel_size})")
+    g.add_argument("--max-num-seqs", type=int, help=f"most sequences in the running batch (default: {d.max_num_seqs})")
+    g.add_argument("--max-num-batched-tokens", type=int, help=f"token budget of one step (default: {d.max_num_batched_tokens})")
+    g.add_argument("--max-model-len", type=int, help="context length: prompt plus output tokens (default: the model's own, capped by the KV cache)")
+    g.add_argument("--block-size", type=int, help=f"tokens per KV-cache block (default: {d.block_size})")
+    g.add_argument("--kv-cache-memory", type=parse_memory,
+                   help="KV cache: bytes (e.g. 2GiB) or a fraction (0, 1] of free GPU memory "
+                        "(default: enough for max-num-seqs sequences of max-model-len, at most 4 GiB on CPU)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"reuse the KV blocks of shared prompt prefixes (default: {'on' if d.enable_prefix_caching else 'off'})")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help=f"fcfs, or priority (lower 'priority' runs first) (default: {d.scheduling_policy})")
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help=f"weights and activations (default: {d.dtype})")
+    g.add_argument("--device", help=f"cpu or cuda (default: {d.device})")
+    g.add_argument("--seed", type=int, help=f"seed of the engine's random state (default: {d.seed})")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help=f"attention kernels (default: {d.attention_backend})")
     g.add_argument("--batches-in-flight", type=int, help="pipeline parallel: batches in the pipe at once (default: one per stage)")
-    g.add_argument("--cpu-decode-max-seqs", type=int, help="CPU: decode steps of up to this many sequences run in C (0: off)")
-    g.add_argument("--enforce-eager", action="store_true", default=None, help="GPU: no CUDA graphs; every step runs eagerly")
+    g.add_argument("--cpu-decode-max-seqs", type=int, help=f"CPU: decode steps of up to this many sequences run in C, 0: off (default: {d.cpu_decode_max_seqs})")
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="GPU: no CUDA graphs; every step runs eagerly (default: off)")

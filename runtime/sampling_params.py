@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP = 64
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +36,7 @@ class SamplingParams:
     # what each RequestOutput holds (vLLM's RequestOutputKind): "cumulative" (everything so
     # far), "delta" (what this step added: the server), "final_only" (one output at the end)
     output_kind: str = "cumulative"
+    include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -42,33 +52,36 @@ class SamplingParams:
         def bad(msg):
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        # Every value here may reach a tensor (torch.tensor(top_k), a generator's seed):
+        # each is an integer or a finite float in a bounded range, or it is refused.
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            bad(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        for name, lo, hi in (("temperature", 0.0, 100.0), ("min_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:  # NaN fails too
+                bad(f"{name} must be in [{lo:g}, {hi:g}], got {v!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:  # the sampler treats k >= vocab as off
             bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop must be a non-empty string or a list of non-empty strings")
+        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            bad(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
+            bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+        if any(not _is_int(t) or not 0 <= t <= 2**31 - 1 for t in self.stop_token_ids):
+            bad("stop_token_ids must be token ids (integers >= 0)")
+        if not _is_int(self.priority) or not INT64_MIN <= self.priority <= INT64_MAX:
+            bad(f"priority must be a 64-bit integer, got {self.priority!r}")
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             bad(f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}")
-        if not isinstance(self.priority, int):
-            bad(f"priority must be an integer, got {self.priority!r}")
 
     @property
     def greedy(self) -> bool:

@@ -82,3 +82,45 @@ def test_priority_policy_runs_lower_values_first(builtin_dir):
     while engine.has_unfinished_requests():
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["urgent", "normal", "late"]
+
+
+def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
+    """An error inside one request's sampling fails that request (finish_reason 'error'),
+    not the batch and not the engine: its neighbours in the batch finish normally."""
+    from shoal.runtime.layers import sampler
+
+    real = sampler.sample_tokens
+
+    def sample_tokens(logits, m):  # the sampler sees parameters, not requests: "bad" is the one at 0.7
+        if ((m.temperature - 0.7).abs() < 1e-6).any():
+            raise OverflowError("injected: a value no tensor can hold")
+        return real(logits, m)
+
+    monkeypatch.setattr(sampler, "sample_tokens", sample_tokens)
+    engine = llm.engine
+    engine.add_request("ok-1", [100, 200, 300], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.add_request("bad", [100, 200, 301], SamplingParams(max_tokens=4, n=2, temperature=0.7, extra={"boom": True}))
+    engine.add_request("ok-2", [100, 200, 302], SamplingParams(max_tokens=4, temperature=0.8, seed=3, logprobs=2))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(done) == ["bad", "ok-1", "ok-2"]
+    assert [c.finish_reason for c in done["bad"].outputs] == ["error", "error"]
+    assert "OverflowError" in done["bad"].outputs[0].stop_reason
+    for rid in ("ok-1", "ok-2"):
+        assert done[rid].outputs[0].finish_reason == "length" and len(done[rid].outputs[0].token_ids) == 4
+    assert len(done["ok-2"].outputs[0].logprobs) == 4
+    assert all_blocks_free(engine)
+    engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))  # the engine goes on
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"top_k": 10**30}, "top_k"), ({"seed": 2**64}, "seed"), ({"n": 10**6}, "n must"), ({"logprobs": 10**9}, "logprobs"),
+    ({"temperature": float("nan")}, "temperature"), ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"priority": 2**70}, "priority"),
+    ({"max_tokens": True}, "max_tokens"), ({"presence_penalty": float("inf")}, "presence_penalty"),
+])
+def test_sampling_params_bound_every_value_that_reaches_a_tensor(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)

@@ -29,7 +29,10 @@ tokenizer and cross-process failure handling. The boundary is this class's API, 
 process backend can replace the thread without touching the server.
 
 Backpressure: at most `max_waiting` requests wait (engine queue plus submitted-not-yet-
-applied); `admit()` refuses beyond that and the server answers 503 + Retry-After.
+applied) beyond the running batch's free slots; `admit()` refuses beyond that and the
+server answers 503 + Retry-After, or 400 for a body that could never fit (more requests
+than max_waiting + max_num_seqs at once). An error inside one request (its add_request,
+or its row of a step's sampling) fails that request alone; the engine goes on.
 Watchdog: `health()` is false when there is work pending but the loop has made no progress
 for `stall_timeout` seconds (a hung step, a dead collective), or when the loop died.
 """
@@ -64,6 +67,10 @@ class EngineDead(RuntimeError):
     pass
 
 
+class NeverFits(ValueError):
+    """More requests in one call than the queue and the batch hold together: retrying cannot help."""
+
+
 @dataclass
 class Output:
     """One step's news for one engine request, as delivered to the request's queue."""
@@ -94,11 +101,13 @@ class Rejected:
 
 @dataclass
 class Failed:
-    """The engine loop died; the request will get no more output."""
+    """The engine loop died (engine_alive False), or this one request failed inside the
+    engine (engine_alive True); either way the request gets no more output."""
 
     request_id: str
     tag: Any
     message: str
+    engine_alive: bool = False
 
 
 @dataclass
@@ -144,6 +153,7 @@ class AsyncEngine:
         self.engine = None
         self.tokenizer = None  # a private copy for the event loop (chat templates, logprob strings)
         self.max_model_len: int | None = None
+        self.vocab_size: int | None = None
         self.load_times: dict[str, float] = {}
         self.state = "created"  # created | loading | ready | failed | stopped
         self.error: str | None = None
@@ -183,16 +193,36 @@ class AsyncEngine:
         return pending + (stats.num_waiting if stats is not None else 0)
 
     @property
+    def stats(self):
+        """The engine's stats after its latest step (EngineStats), or None before it is loaded."""
+        return self._stats
+
+    @property
     def num_live(self) -> int:
         return len(self._live)
 
+    @property
+    def max_num_seqs(self) -> int:
+        return int(getattr(self.config, "max_num_seqs", 0) or 0)
+
     def admit(self, count: int = 1) -> None:
-        """Raise QueueFull / EngineNotReady / EngineDead if `count` more requests cannot wait."""
+        """Raise QueueFull / NeverFits / EngineNotReady / EngineDead if `count` more requests
+        cannot be taken now: they may wait up to max_waiting, plus whatever slots the running
+        batch has free (an idle server takes max_num_seqs + max_waiting at once)."""
         if self.state == "failed" or (self.state == "ready" and not self._thread.is_alive()):
             raise EngineDead(self.error or "the engine loop is not running")
         if self.state != "ready":
             raise EngineNotReady("the model is still loading")
-        if self.num_waiting + count > self.max_waiting:
+        most = self.max_waiting + self.max_num_seqs
+        if count > most:
+            raise NeverFits(f"{count} prompts in one request; this server takes at most {most} at once "
+                            f"(--max-num-seqs {self.max_num_seqs} running + --max-waiting {self.max_waiting} waiting)")
+        pending = self._submitted - self._applied  # read before _stats (see _apply_inbox)
+        stats = self._stats
+        running = stats.num_running if stats is not None else 0
+        waiting = pending + (stats.num_waiting if stats is not None else 0)
+        free_slots = max(0, self.max_num_seqs - running)
+        if waiting + count > self.max_waiting + free_slots:
             raise QueueFull(f"the server's waiting queue is full ({self.max_waiting} requests); retry later")
 
     def submit(self, request_id: str, prompt, params, queue: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
@@ -271,6 +301,7 @@ class AsyncEngine:
             engine = self._make_engine()
             self.engine = engine
             self.max_model_len = engine.max_model_len
+            self.vocab_size = getattr(engine, "vocab_size", None)
             self.load_times = dict(getattr(engine, "load_times", {}) or {})
             self.load_times["total"] = time.perf_counter() - t0
             self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -356,6 +387,9 @@ class AsyncEngine:
                     engine.add_request(rid, msg.prompt, msg.params, arrival_time=msg.arrival)
                 except (ValueError, TypeError, OverflowError) as e:
                     posts.append((msg.queue, Rejected(rid, msg.tag, str(e) or type(e).__name__)))
+                except Exception as e:  # noqa: BLE001 - a bug that this one request hit: fail it, not the engine
+                    logger.exception("add_request %s failed", rid)
+                    posts.append((msg.queue, Failed(rid, msg.tag, f"the request failed in the engine: {type(e).__name__}: {e}", engine_alive=True)))
                 else:
                     posts.append((msg.queue, Accepted(rid, msg.tag)))
                     self._tracks[rid] = _Track(queue=msg.queue, tag=msg.tag, arrival=msg.arrival,
@@ -397,9 +431,13 @@ class AsyncEngine:
                 tr.last_token_time = now
             if out.finished:
                 del self._tracks[out.request_id]
+                reason = out.outputs[0].finish_reason if out.outputs else None
                 if m is not None:
                     m.e2e.observe(max(0.0, now - tr.arrival))
-                    reason = out.outputs[0].finish_reason if out.outputs else None
                     m.request_finished(reason)
+                if any(co.finish_reason == "error" for co in out.outputs):  # failed in the engine (its sampling raised)
+                    why = next(co.stop_reason for co in out.outputs if co.finish_reason == "error")
+                    posts.append((tr.queue, Failed(out.request_id, tr.tag, f"the request failed in the engine: {why}", engine_alive=True)))
+                    continue
             if deltas or out.finished:
                 posts.append((tr.queue, Output(out.request_id, tr.tag, deltas, out.finished, len(out.prompt_token_ids or ()))))

@@ -67,12 +67,13 @@ def append_text(tokenizer, seq: Sequence, final: bool = False) -> str:
 
 
 def find_stop(seq: Sequence, delta: str) -> str | None:
-    """If a stop string now appears, cut the text before it and return the string."""
+    """If a stop string now appears, cut the text before it (after it, with
+    include_stop_str_in_output) and return the string."""
     for stop in seq.params.stop:
         # only the tail can hold a new match: the delta plus what a stop string spans
         start_at = max(0, len(seq.text) - len(delta) - len(stop) + 1)
         index = seq.text.find(stop, start_at)
         if index != -1:
-            seq.text = seq.text[:index]
+            seq.text = seq.text[: index + (len(stop) if seq.params.include_stop_str_in_output else 0)]
             return stop
     return None

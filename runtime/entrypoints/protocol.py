@@ -1,10 +1,12 @@
 """OpenAI request and response bodies (pydantic), plus the extra sampling fields of docs/design.md.
 
-Requests are validated here (types, ranges that are protocol rules); value checks that are
-sampling rules live in `SamplingParams.validate`, so the API and HTTP say the same thing.
-Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields keep
-working. Responses are built as plain dicts on the hot path (streaming chunks); the models
-below document them in the OpenAPI schema.
+Requests are validated here, strictly (no "4" for 4, no true for 1, no NaN), with every
+numeric range in the OpenAPI schema (Field ge/le) so clients and fuzzers see the edges;
+`SamplingParams.validate` checks the same rules again for the Python API. Unknown fields
+are ignored, as vLLM does, so clients that send newer OpenAI fields keep working, but a
+field this server knows and does not implement (vLLM's guided_json, prompt_logprobs, ...)
+is refused with a 400 that names it, never silently ignored. Responses are built as plain
+dicts on the hot path (streaming chunks); the models below document them in the schema.
 """
 
 from __future__ import annotations
@@ -13,15 +15,40 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shoal.runtime.sampling_params import SamplingParams
+from shoal.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, SamplingParams
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 # n and the number of prompts in one body are bounded so no single body fans out
 # into an unbounded number of engine requests (the waiting queue bounds the rest).
-MAX_N = 128
 MAX_PROMPTS = 256
+MAX_STOP_CHARS = 1024
+
+# Fields of vLLM's or OpenAI's request bodies that this server does not implement, with the
+# value that means "not used": a body that sets one to anything else gets a 400 naming it.
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structural_tag": None,
+    "structured_outputs": None, "prompt_logprobs": None, "bad_words": None, "allowed_token_ids": None,
+    "truncate_prompt_tokens": None, "return_token_ids": False, "return_tokens_as_token_ids": False,
+    "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
+    "spaces_between_special_tokens": True, "prompt_embeds": None, "kv_transfer_params": None,
+    "cache_salt": None, "vllm_xargs": None, "mm_processor_kwargs": None, "chat_template": None,
+    "chat_template_kwargs": None, "continue_final_message": False, "documents": None,
+    "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
+    "reasoning_effort": None, "web_search_options": None, "response_format": None, "echo": False,
+}
+
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def check_text(value: str, what: str) -> str:
+    """Refuse a string that is not valid Unicode (a lone UTF-16 surrogate from a JSON escape)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate (U+{ord(value[e.start]):04X}) at index {e.start}") from None
+    return value
 
 
 class ErrorInfo(BaseModel):
@@ -36,51 +63,68 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields common to both endpoints: OpenAI's, then the extras of docs/design.md."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # extras (vLLM's names)
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int = Field(0, ge=0)
-    repetition_penalty: float | None = None
-    stop_token_ids: list[TokenId] | None = None
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off; values at or above the vocabulary size are off too")
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     ignore_eos: bool = False
-    priority: Int64 = 0
+    priority: Int64 = Field(0, description="lower runs first; anything but 0 needs --scheduling-policy priority")
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        if isinstance(v, list) and len(v) > 64:
-            raise ValueError("at most 64 stop strings")
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        for x in items:
+            check_text(x, "stop")
+            if len(x) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
-    def unsupported(self) -> str | None:
-        """A message naming a field that is set but not supported, or None."""
+    @field_validator("model", "user")
+    @classmethod
+    def _text(cls, v, info):
+        return v if v is None else check_text(v, info.field_name)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(message, field) for a field that is set but not supported, or None."""
         if self.logit_bias:
-            return "logit_bias is not supported"
+            return "logit_bias is not supported", "logit_bias"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options.continuous_usage_stats is not supported", "stream_options"
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value != UNSUPPORTED_FIELDS[name]:
+                return f"{name} is not supported by this server", name
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None) -> SamplingParams:
         """Raises ValueError with SamplingParams' message on a bad value."""
         kw: dict[str, Any] = dict(
             n=self.n,
@@ -93,11 +137,14 @@ class _SamplingRequest(BaseModel):
             priority=self.priority,
             seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
+        if vocab_size and kw.get("top_k", 0) >= vocab_size:
+            kw["top_k"] = 0  # keeping the whole vocabulary is no top-k at all (and no huge tensor value)
         if isinstance(kw["stop"], str):
             kw["stop"] = [kw["stop"]]
         return SamplingParams(**kw)
@@ -105,17 +152,27 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX, description="prompt tokens + max_tokens must fit in the model's context")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
-    def unsupported(self) -> str | None:
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str):
+            return check_text(v, "prompt")
+        if v and isinstance(v[0], str):
+            for x in v:
+                check_text(x, "prompt")
+        return v
+
+    def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
-            return "suffix is not supported"
+            return "suffix is not supported", "suffix"
         if self.best_of is not None and self.best_of != self.n:
-            return "best_of other than n is not supported"
+            return "best_of other than n is not supported", "best_of"
         return super().unsupported()
 
     def prompts(self) -> list[str | list[int]]:
@@ -138,16 +195,26 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _text(cls, v):
+        return check_text(v, "messages content")
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", "name")
+    @classmethod
+    def _text(cls, v, info):
+        return check_text(v, f"messages {info.field_name}") if isinstance(v, str) else v
 
     def text(self) -> str:
         if self.content is None:
@@ -158,28 +225,28 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: str
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="deprecated by OpenAI: max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="prompt tokens + this must fit in the model's context")
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.tools and self.tool_choice != "none":
-            return "tools are not supported by this server"
+            return "tools are not supported by this server", "tools"
         if self.response_format is not None and self.response_format.type != "text":
-            return f"response_format {self.response_format.type!r} is not supported"
+            return f"response_format {self.response_format.type!r} is not supported", "response_format"
         if self.top_logprobs and not self.logprobs:
-            return "top_logprobs requires logprobs: true"
+            return "top_logprobs requires logprobs: true", "top_logprobs"
         return super().unsupported()
 
     def num_logprobs(self) -> int | None:

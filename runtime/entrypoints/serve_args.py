@@ -1,31 +1,99 @@
-"""`shoal serve` flags. Cheap to import: the server (and torch) load only in `run`."""
+"""`shoal serve` flags. Cheap to import: the server (and torch) load only in `run`.
+
+vLLM's spellings a user types work too: --gpu-memory-utilization, --tokenizer (the model's
+own only), --chat-template, --max-logprobs, --root-path, --allowed-origins,
+--disable-log-stats."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Like ArgumentDefaultsHelpFormatter, without '(default: None)' and without repeating a
+    default the help text already states."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _origins(text: str) -> list[str]:
+    """A JSON list (vLLM's form) or comma-separated origins."""
+    text = text.strip()
+    if text.startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise argparse.ArgumentTypeError("--allowed-origins: a JSON list of strings")
+        return value
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from shoal.runtime.config import add_engine_args
 
     add_engine_args(parser)
+    v = parser.add_argument_group("vLLM spellings")
+    v.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on GPU: the fraction (0, 1] of free device memory for the KV cache (as --kv-cache-memory FRACTION); ignored on CPU (default: unset)")
+    v.add_argument("--tokenizer", default=None, help="the tokenizer to use; only the model's own is supported (default: the model's)")
+    v.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one, used instead of the model's (default: the model's)")
+    v.add_argument("--max-logprobs", type=int, default=20, help="most log-probabilities per token a request may ask for (at most 20)")
+    v.add_argument("--root-path", default=None, help="path prefix when behind a proxy that strips it (ASGI root_path) (default: none)")
+    v.add_argument("--allowed-origins", type=_origins, default=None,
+                   help="CORS: origins allowed to call the API, a JSON list or comma-separated (default: no CORS headers)")
+    v.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
     g = parser.add_argument_group("server")
     # 0.0.0.0 by default: in a pod the kubelet probes the pod IP, so loopback would fail
     # every probe. Pass --host 127.0.0.1 to keep a workstation server private.
-    g.add_argument("--host", default=os.environ.get("SHOAL_HOST", "0.0.0.0"), help="address to bind (default 0.0.0.0)")
-    g.add_argument("--port", type=int, default=int(os.environ.get("SHOAL_PORT", "8000")))
+    g.add_argument("--host", default=os.environ.get("SHOAL_HOST", "0.0.0.0"), help="address to bind; $SHOAL_HOST")
+    g.add_argument("--port", type=int, default=int(os.environ.get("SHOAL_PORT", "8000")), help="port to bind; $SHOAL_PORT")
     g.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/*; default: $SHOAL_API_KEY (probes and /metrics stay open)",
     )
-    g.add_argument("--max-waiting", type=int, default=512, help="requests allowed to wait for a batch slot; beyond it 503 + Retry-After")
+    g.add_argument("--max-waiting", type=int, default=512, help="requests allowed to wait beyond the running batch's free slots; beyond it 503 + Retry-After")
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
-    g.add_argument("--stall-timeout", type=float, default=60.0, help="/health fails when work is pending and no step finished for this long")
+    g.add_argument("--stall-timeout", type=float, default=60.0, help="/health fails when work is pending and no step finished for this long (seconds)")
     g.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body accepted (413 beyond)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between the periodic stats lines")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     parser.set_defaults(func=run)
+
+
+def _resolve_vllm_spellings(args: argparse.Namespace) -> None:
+    log = logging.getLogger("shoal.server")
+    if args.gpu_memory_utilization is not None:
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise SystemExit("--gpu-memory-utilization must be in (0, 1]")
+        if (args.device or "cpu").startswith("cuda"):
+            if args.kv_cache_memory is None:
+                args.kv_cache_memory = args.gpu_memory_utilization
+        else:
+            log.warning("--gpu-memory-utilization is ignored on CPU; size the KV cache with --kv-cache-memory")
+    if args.tokenizer is not None:
+        from shoal.runtime.models.loader import resolve_model
+
+        if os.path.realpath(str(resolve_model(args.tokenizer))) != os.path.realpath(str(resolve_model(args.model))):
+            raise SystemExit("--tokenizer: only the model's own tokenizer is supported")
+    args.chat_template_text = None
+    if args.chat_template is not None:
+        path = args.chat_template
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                args.chat_template_text = f.read()
+        elif "{" in path:
+            args.chat_template_text = path
+        else:
+            raise SystemExit(f"--chat-template: no such file {path!r} (and not a template)")
+    if not 0 <= args.max_logprobs <= 20:
+        raise SystemExit("--max-logprobs must be in [0, 20]")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,4 +107,5 @@ def run(args: argparse.Namespace) -> int:
     for name in ("drain_timeout", "stall_timeout"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0")
+    _resolve_vllm_spellings(args)
     return serve(args)

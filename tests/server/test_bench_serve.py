@@ -34,3 +34,30 @@ def test_workloads_are_fixed():
     pub = bench_serve.public_workload()
     assert len(pub) == 32
     assert sum(len(x.prompt) for x in pub) == 8879 and sum(x.output_len for x in pub) == 4295  # PERFORMANCE.md's totals
+
+
+def test_bench_serve_chat_single_rate_goodput_and_plot(server, tmp_path, capsys):
+    """vllm bench serve's summary (TPOT, token totals, concurrency, goodput), a progress bar,
+    the chat endpoint, and a PNG from a single rate (latency distributions)."""
+    p = argparse.ArgumentParser()
+    bench_serve.add_arguments(p)
+    out, png = tmp_path / "one.json", tmp_path / "one.png"
+    args = p.parse_args(["--base-url", server.base_url, "--num-prompts", "5", "--input-len", "8:24", "--output-len", "3:5", "--max-concurrency", "2",
+                         "--endpoint", "/v1/chat/completions", "--goodput", "ttft:600000", "tpot:1", "--json", str(out), "--plot", str(png), "--seed", "2"])
+    assert args.func(args) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    items = bench_serve.sharegpt_like(5, 2, (8, 24), (3, 5))
+    assert run["completed"] == 5 and run["endpoint"] == "/v1/chat/completions"
+    assert run["output_tokens"] == sum(it.output_len for it in items)
+    assert run["input_tokens"] > sum(len(it.prompt) for it in items)  # the chat template's tokens too
+    assert run["peak_concurrency"] == 2 and run["max_concurrency"] == 2
+    assert 0 < run["tpot_s"]["p50"] <= run["tpot_s"]["p99"]
+    assert run["request_goodput"] == 0.0  # nobody makes a 1 ms TPOT on this machine
+    assert "samples" not in run
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    captured = capsys.readouterr()
+    for needle in ("Serving Benchmark Result", "Total input tokens:", "Total generated tokens:", "Maximum request concurrency:",
+                   "Peak concurrent requests:", "Request goodput (req/s):", "Mean TPOT (ms):", "P99 ITL (ms):", "Median E2EL (ms):"):
+        assert needle in captured.out, needle
+    assert "5/5" in captured.err  # the progress bar
+    assert bench_serve.parse_goodput(["ttft:500", "e2el:2000"]) == {"ttft": 0.5, "e2el": 2.0}

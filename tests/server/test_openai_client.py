@@ -120,7 +120,7 @@ def test_chat_logprobs(client, model_name):
 def test_extra_sampling_fields(client, model_name):
     out = client.completions.create(
         model=model_name, prompt=PROMPT, max_tokens=6, temperature=0.8, seed=5,
-        extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 6, "repetition_penalty": 1.1, "ignore_eos": True, "priority": 1},
+        extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 6, "repetition_penalty": 1.1, "ignore_eos": True, "priority": 0},
     )
     assert out.usage.completion_tokens == 6 and out.choices[0].finish_reason == "length"
 

@@ -1,0 +1,151 @@
+"""OpenAI's response shapes, one renderer for /v1/completions and /v1/chat/completions.
+
+The two APIs differ in a few places only, and those are the renderer's branches:
+  object      text_completion            chat.completion / chat.completion.chunk
+  a choice    "text": echo + text        "message": {"role": "assistant", "content"}
+  a chunk     "text": delta              "delta": {"content"} (the first: {"role", "content": ""})
+  logprobs    tokens/token_logprobs/     content: [{token, logprob, bytes, top_logprobs}]
+              top_logprobs/text_offset
+Everything else (ids, usage, stop_reason, the SSE framing, usage chunk, errors mid-stream,
+[DONE]) is shared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi.responses import StreamingResponse
+
+from shoal.runtime.entrypoints.errors import APIError, dumps, error_body, finite
+from shoal.runtime.entrypoints.job import Job, stream_items
+
+if TYPE_CHECKING:
+    from shoal.runtime.entrypoints.state import ServerState
+
+
+def sse(obj: dict) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+def sse_response(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def completion_logprobs(state: "ServerState", token_ids: list[int], lps: list[dict], offset: int) -> dict:
+    tokens, token_lps, top, offsets = [], [], [], []
+    for tid, d in zip(token_ids, lps):
+        s = state.tok_str(tid)
+        tokens.append(s)
+        token_lps.append(finite(d.get(tid, -9999.0)))
+        top.append({state.tok_str(k): finite(v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(state: "ServerState", token_ids: list[int], lps: list[dict], k: int) -> dict:
+    content = []
+    for tid, d in zip(token_ids, lps):
+        s = state.tok_str(tid)
+        top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+        content.append({
+            "token": s,
+            "logprob": finite(d.get(tid, -9999.0)),
+            "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": state.tok_str(t), "logprob": finite(v), "bytes": list(state.tok_str(t).encode("utf-8"))} for t, v in top],
+        })
+    return {"content": content}
+
+
+class Renderer:
+    """One job's response: `body()` when it has finished, or `stream(early)` as SSE."""
+
+    def __init__(self, state: "ServerState", job: Job, created: int, *, chat: bool, logprobs: int | None,
+                 echo_text: dict[int, str] | None = None, include_usage: bool = False):
+        self.state, self.job, self.created, self.chat = state, job, created, chat
+        self.k = logprobs  # completions: top logprobs per token; chat: top_logprobs (None: none asked)
+        self.echo_text = echo_text or {}
+        self.include_usage = include_usage
+        self.offsets: dict[int, int] = {}  # completions' text_offset, per streamed choice
+
+    def _logprobs(self, token_ids: list[int], lps: list[dict], offset: int) -> dict:
+        if self.chat:
+            return chat_logprobs(self.state, token_ids, lps, self.k)
+        return completion_logprobs(self.state, token_ids, lps, offset)
+
+    # -- the whole body -------------------------------------------------------------------
+    def body(self) -> dict:
+        job = self.job
+        choices = []
+        for key in sorted(job.choices):
+            c = job.choices[key]
+            prefix = "" if self.chat else self.echo_text.get(key // job.n, "")
+            lp = self._logprobs(c.token_ids, c.logprobs, len(prefix)) if self.k is not None else None
+            text = prefix + "".join(c.text)
+            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": key, **content, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": job.http_id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices, "usage": job.usage()}
+
+    # -- the stream -----------------------------------------------------------------------
+    @property
+    def _base(self) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.job.http_id, "object": obj, "created": self.created, "model": self.state.model_name}
+
+    def _chunk(self, index: int, payload, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+        choice = {"index": index, ("delta" if self.chat else "text"): payload, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        obj = dict(self._base, choices=[choice])
+        if self.include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    def _first(self) -> str:
+        """Chat: each choice's role; completions: the echoed prompt, if asked."""
+        n = self.job.n
+        if self.chat:
+            return "".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
+        first = []
+        for p, text in self.echo_text.items():
+            for i in range(n):
+                self.offsets[p * n + i] = len(text)
+                first.append(self._chunk(p * n + i, text))
+        return "".join(first)
+
+    def _deltas(self, added) -> str:
+        out = []
+        for index, d in added:
+            lp = None
+            if self.k is not None and d.token_ids:
+                off = self.offsets.get(index, 0)
+                lp = self._logprobs(d.token_ids, d.logprobs or [{}] * len(d.token_ids), off)
+                if not self.chat:
+                    self.offsets[index] = off + sum(len(t) for t in lp["tokens"])
+            if d.text or d.finish_reason is not None or lp is not None:
+                if self.chat:
+                    payload = {"content": d.text} if (d.text or lp is not None) else {}
+                else:
+                    payload = d.text
+                out.append(self._chunk(index, payload, lp, d.finish_reason, d.stop_reason if d.finish_reason else None))
+        return "".join(out)
+
+    async def _events(self, early: list):
+        """`first`, the rendered deltas, usage if asked, [DONE]; an error mid-stream becomes
+        an error event; the request ends with the body."""
+        try:
+            first = self._first()
+            if first:
+                yield first
+            async for added in stream_items(self.job, early):
+                yield self._deltas(added)
+            if self.include_usage:
+                yield sse(dict(self._base, choices=[], usage=self.job.usage()))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield sse(error_body(e.message, e.type, e.param, e.code))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.job.abort()
+
+    def stream(self, early: list) -> StreamingResponse:
+        return sse_response(self._events(early))

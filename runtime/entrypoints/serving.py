@@ -1,0 +1,145 @@
+"""What /v1/completions and /v1/chat/completions do between the parsed body and the response.
+
+    check accepting, model, unsupported fields, priority     -> 400 / 404 / 503
+    sampling params (bounded; top_k >= vocab is off)          -> 400
+    admit (queue bound, before any work)                      -> 503 / 400 never fits
+    prompt -> token ids on the tokenizer pool                  -> 400 too long, bad template
+    fits the context (prompt + max_tokens), ids in the vocab  -> 400
+    admit again (no await from here to submit), submit
+    stream: wait until accepted, then SSE; else collect, then the body
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from shoal.runtime.engine.async_engine import EngineDead, EngineNotReady, NeverFits, QueueFull
+from shoal.runtime.entrypoints.errors import APIError, dumps, unavailable
+from shoal.runtime.entrypoints.job import Job, await_accepted, collect
+from shoal.runtime.entrypoints.prompts import PromptTooLong, context_error
+from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.runtime.entrypoints.render import Renderer
+from shoal.runtime.entrypoints.state import ServerState
+
+
+class Serving:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    # -- the checks ---------------------------------------------------------------------
+    def _prepare(self, req) -> None:
+        state = self.state
+        state.check_accepting()
+        state.check_model(req.model)
+        unsupported = req.unsupported()
+        if unsupported:
+            raise APIError(400, unsupported[0], param=unsupported[1])
+        if req.priority != 0 and state.config.scheduling_policy != "priority":
+            raise APIError(400, "priority other than 0 needs --scheduling-policy priority (this server schedules fcfs)", param="priority")
+
+    def _params(self, req, max_tokens, logprobs):
+        state = self.state
+        if logprobs is not None and logprobs > state.max_logprobs:
+            raise APIError(400, f"at most {state.max_logprobs} logprobs per token (--max-logprobs), got {logprobs}",
+                           param="top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
+        try:
+            return req.sampling_params(max_tokens, logprobs, state.engine.vocab_size)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+
+    def _admit(self, count: int) -> None:
+        state = self.state
+        state.check_accepting()  # again after an await: draining may have begun meanwhile
+        try:
+            state.engine.admit(count)
+        except NeverFits as e:
+            raise APIError(400, str(e), param="prompt") from None
+        except QueueFull as e:
+            state.metrics.rejected("queue_full")
+            raise unavailable(str(e), "queue_full") from None
+        except (EngineNotReady, EngineDead) as e:
+            raise unavailable(str(e), "not_ready") from None
+
+    async def _tokenize(self, fn, *args, param: str = "prompt") -> list[int]:
+        """fn(*args) on the tokenizer pool: token ids, or a 400."""
+        try:
+            return await self.state.prompts.run(fn, *args)
+        except PromptTooLong as e:
+            raise APIError(400, str(e), param=param) from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+        except Exception as e:  # noqa: BLE001 - a template or tokenizer that rejects the input
+            what = "apply the chat template" if param == "messages" else "tokenize the prompt"
+            raise APIError(400, f"could not {what}: {type(e).__name__}: {e}", param=param) from None
+
+    def _check_fits(self, ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
+        engine = self.state.engine
+        limit = engine.max_model_len
+        if not ids:
+            raise APIError(400, "the conversation renders to an empty prompt" if param == "messages" else "prompt must not be empty", param=param)
+        if len(ids) >= limit:
+            raise APIError(400, context_error(len(ids), limit), param=param)
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise APIError(400, context_error(len(ids), limit, max_tokens), param="max_tokens")
+        vocab = engine.vocab_size
+        if vocab:
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+    async def _respond(self, request: Request, req, job: Job, renderer: Renderer):
+        if req.stream:
+            early = await await_accepted(job)
+            return renderer.stream(early)
+        await collect(request, job)
+        return Response(dumps(renderer.body()), media_type="application/json")
+
+    # -- the endpoints ------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request: Request):
+        state = self.state
+        self._prepare(req)
+        try:
+            prompts = req.prompts()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        params = self._params(req, req.max_tokens, req.logprobs)
+        self._admit(len(prompts))  # before tokenizing: a full queue costs no work
+        ids = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt = await self._tokenize(state.prompts.text_ids, prompt)
+            self._check_fits(prompt, req.max_tokens)
+            ids.append(prompt)
+        self._admit(len(prompts))  # and again with no await before submit: the bound holds
+        job = Job(state, f"cmpl-{uuid.uuid4().hex}", req.n)
+        created = int(time.time())
+        echo_text = {}
+        if req.echo:
+            for p, prompt in enumerate(prompts):
+                echo_text[p] = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
+        job.submit(ids, params)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        renderer = Renderer(state, job, created, chat=False, logprobs=req.logprobs, echo_text=echo_text, include_usage=include_usage)
+        return await self._respond(request, req, job, renderer)
+
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        state = self.state
+        self._prepare(req)
+        k = req.num_logprobs()
+        max_tokens = req.completion_tokens_limit()
+        params = self._params(req, max_tokens, k)
+        self._admit(1)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        ids = await self._tokenize(state.prompts.chat_ids, messages, req.add_generation_prompt, param="messages")
+        self._check_fits(ids, max_tokens, param="messages")
+        self._admit(1)
+        job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
+        created = int(time.time())
+        job.submit([ids], params)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage)
+        return await self._respond(request, req, job, renderer)
