@@ -96,12 +96,7 @@ def resync(namespace: str, name: str, **_: Any) -> None:
 # turns ready or unready, and watching every pod of a cluster would cost far more.
 @kopf.on.event("apps", "v1", "statefulsets", labels={render.L_DEPLOYMENT: kopf.PRESENT})
 def child_changed(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
-    if type is None:
-        return  # the initial listing: resume/timers cover it
-    try:
-        get_controller().trigger(namespace, labels[render.L_DEPLOYMENT])
-    except Exception as e:  # the next event or the timer retries
-        logging.getLogger("shoal.operator").warning("reconcile after a child change failed: %s", e)
+    _reconcile_owner(namespace, labels, type, "a child change")
 
 
 # Pods of our groups (server-side label selector, see configure), only those that failed or whose
@@ -109,12 +104,17 @@ def child_changed(namespace: str, labels: dict[str, str], type: str | None, **_:
 @kopf.on.event("", "v1", "pods", labels={render.L_DEPLOYMENT: kopf.PRESENT},
                when=lambda body, **_: controller_mod.pod_failed(body))
 def pod_failed(namespace: str, labels: dict[str, str], type: str | None, **_: Any) -> None:
+    _reconcile_owner(namespace, labels, type, "a pod failure")
+
+
+def _reconcile_owner(namespace: str, labels: dict[str, str], type: str | None, what: str) -> None:
+    """A watched child's event: reconcile the InferenceDeployment that owns it."""
     if type is None:
         return  # the initial listing: resume/timers cover it
     try:
         get_controller().trigger(namespace, labels[render.L_DEPLOYMENT])
     except Exception as e:  # the next event or the timer retries
-        logging.getLogger("shoal.operator").warning("reconcile after a pod failure failed: %s", e)
+        logging.getLogger("shoal.operator").warning("reconcile after %s failed: %s", what, e)
 
 
 @kopf.on.delete(crd.GROUP, crd.VERSION, crd.PLURAL, optional=True)

@@ -5,6 +5,7 @@ engine died; `shoal serve --help` and vLLM's flag spellings."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import threading
@@ -152,13 +153,13 @@ class _DyingEngine:
         raise RuntimeError("injected: the device went away")
 
 
-def test_ready_gauge_turns_0_when_the_engine_dies():
+@contextlib.contextmanager
+def in_process_server(state, ready_within: float):
+    """uvicorn serving build_asgi(state) on a free port in a thread; yields the base URL once /ready is 200."""
     import uvicorn
 
-    from shoal.runtime.config import EngineConfig
-    from shoal.runtime.entrypoints.server import ServerState, build_asgi
+    from shoal.runtime.entrypoints.server import build_asgi
 
-    state = ServerState(EngineConfig(), engine_factory=_DyingEngine, log_stats_interval=0)
     _, asgi = build_asgi(state)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
@@ -166,7 +167,7 @@ def test_ready_gauge_turns_0_when_the_engine_dies():
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_within
         while True:
             try:
                 if httpx.get(url + "/ready").status_code == 200:
@@ -175,14 +176,23 @@ def test_ready_gauge_turns_0_when_the_engine_dies():
                 pass
             assert time.monotonic() < deadline, "never ready"
             time.sleep(0.1)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_ready_gauge_turns_0_when_the_engine_dies():
+    from shoal.runtime.config import EngineConfig
+    from shoal.runtime.entrypoints.server import ServerState
+
+    state = ServerState(EngineConfig(), engine_factory=_DyingEngine, log_stats_interval=0)
+    with in_process_server(state, ready_within=120) as url:
         assert metric(url, "shoal_ready", model_name=MODEL) == 1
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
         assert httpx.get(url + "/ready").status_code == 503 and httpx.get(url + "/health").status_code == 503
         assert metric(url, "shoal_ready", model_name=MODEL) == 0  # before: stayed 1
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 # ------------------------------------------------------------------ shoal serve --help, vLLM spellings
@@ -237,11 +247,9 @@ def test_a_request_failing_inside_the_engine_is_a_500_and_the_engine_lives(monke
     a request beside it in the batch and the next ones are served."""
     import asyncio as aio
 
-    import uvicorn
-
     from shoal.runtime.config import EngineConfig
+    from shoal.runtime.entrypoints.server import ServerState
     from shoal.runtime.layers import sampler
-    from shoal.runtime.entrypoints.server import ServerState, build_asgi
 
     real = sampler.sample_tokens
 
@@ -252,23 +260,7 @@ def test_a_request_failing_inside_the_engine_is_a_500_and_the_engine_lives(monke
 
     monkeypatch.setattr(sampler, "sample_tokens", sample_tokens)
     state = ServerState(EngineConfig(max_model_len=256, kv_cache_memory=2**26, max_num_seqs=4), log_stats_interval=0)
-    _, asgi = build_asgi(state)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "never ready"
-            time.sleep(0.2)
-
+    with in_process_server(state, ready_within=300) as url:
         async def both():
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 return await aio.gather(
@@ -283,9 +275,6 @@ def test_a_request_failing_inside_the_engine_is_a_500_and_the_engine_lives(monke
         again = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
         assert again.status_code == 200
         assert metric(url, "shoal_request_success_total", model_name=MODEL, finished_reason="error") == 1
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def test_not_accepting_between_engine_ready_and_on_loaded():
