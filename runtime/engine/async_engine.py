@@ -185,6 +185,11 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    def group_ready(self) -> bool:
+        """Every rank of the engine's group joined, loaded and alive (False until it is loaded)."""
+        engine = self.engine
+        return engine is not None and engine.group_ready()
+
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: the engine's queue plus submissions not yet applied."""

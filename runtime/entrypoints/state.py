@@ -53,8 +53,7 @@ class ServerState:
             return False, why
         if not self.engine.ready:
             return False, f"engine {self.engine.state}"
-        group_ready = getattr(getattr(self.engine.engine, "executor", None), "group_ready", None)
-        if not self.group_joined.is_set() or (callable(group_ready) and not group_ready()):
+        if not self.group_joined.is_set() or not self.engine.group_ready():
             return False, "waiting for the parallel group to join"
         return True, "ready"
 
