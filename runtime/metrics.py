@@ -86,7 +86,29 @@ class ServerMetrics:
 
     # -- HTTP side ---------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """Every shoal_* series, then the same series under vLLM's names (vllm:*), which the
+        Gateway API inference extension's endpoint picker, KEDA recipes and vLLM's dashboards read."""
+        text = generate_latest(self.registry)
+        return text + vllm_names(text) + self._lora_info(), CONTENT_TYPE_LATEST
+
+    def _lora_info(self) -> bytes:
+        # vLLM's vllm:lora_requests_info, which the endpoint picker reads for adapter affinity:
+        # no adapters served here
+        name = self.model_name.replace("\\", "\\\\").replace('"', '\\"')
+        return (b"# HELP vllm:lora_requests_info Running stats on LoRA requests.\n# TYPE vllm:lora_requests_info gauge\n"
+                + f'vllm:lora_requests_info{{max_lora="0",model_name="{name}",running_lora_adapters="",'
+                  f'waiting_lora_adapters=""}} 1.0\n'.encode())
+
+
+def vllm_names(text: bytes) -> bytes:
+    """The shoal_* families of a Prometheus text exposition, renamed vllm:* (same labels, same buckets)."""
+    out = []
+    for line in text.decode().splitlines():
+        if line.startswith(("# HELP shoal_", "# TYPE shoal_")):
+            out.append(line[:7] + "vllm:" + line[13:])
+        elif line.startswith("shoal_"):
+            out.append("vllm:" + line[6:])
+    return ("\n".join(out) + "\n").encode() if out else b""
 
 
 def parse_metrics(text: str) -> dict[str, float]:

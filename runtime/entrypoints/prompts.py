@@ -79,17 +79,23 @@ class PromptTokenizer:
                                 f"(max_model_len) can hold; it was refused without tokenizing")
 
     # -- on a pool thread ------------------------------------------------------------------
-    def text_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._check_size(text, "the prompt")
-        return self._tokenizer()(text).input_ids
+        return self._tokenizer()(text, add_special_tokens=add_special_tokens).input_ids
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer().decode(ids)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return self._tokenizer().convert_ids_to_tokens(ids)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False) -> list[int]:
         tok = self._tokenizer()
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         self._check_size(text, "the conversation")
-        return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     # -- on the event loop -----------------------------------------------------------------
     async def run(self, fn, *args):

@@ -337,3 +337,39 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------------ vLLM's utility endpoints
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, vLLM's shape: a prompt, or chat messages rendered with the template."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _text(cls, v):
+        return check_text(v, "prompt") if isinstance(v, str) else v
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+

@@ -4,7 +4,8 @@
     /v1/models                              the served model
     /health                                 alive and the engine loop making progress (watchdog)
     /ready                                  loaded + KV cache + warm-up done, group joined, not draining
-    /metrics                                Prometheus text (shoal_*)
+    /metrics                                Prometheus text (shoal_*, and the same series as vllm:*)
+    /tokenize, /detokenize, /version, /load vLLM's utility endpoints, in vLLM's shapes
 
 Life of a server: uvicorn binds at once (so probes answer while the model loads), the engine
 is built on its own thread (AsyncEngine), /ready turns 200 when it is loaded. On SIGTERM
@@ -52,8 +53,12 @@ from shoal.runtime.entrypoints.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from shoal.runtime.entrypoints.serving import Serving
 from shoal.runtime.entrypoints.state import ServerState
@@ -61,6 +66,15 @@ from shoal.runtime.entrypoints.state import ServerState
 __all__ = ["ServerState", "build_app", "build_asgi", "serve"]
 
 logger = logging.getLogger("shoal.server")
+
+
+def shoal_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shoal")
+    except PackageNotFoundError:  # run from a checkout without an install
+        return "0.0.0+checkout"
 
 
 # ------------------------------------------------------------------------------ the app
@@ -121,6 +135,24 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=errors)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await serving.chat(req, request)
+
+    # -- vLLM's utility endpoints (same request and response shapes) -----------------
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
+    async def tokenize(req: TokenizeRequest):
+        return json_response(await serving.tokenize(req))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
+    async def detokenize(req: DetokenizeRequest):
+        return json_response(await serving.detokenize(req))
+
+    @app.get("/version")
+    async def version():
+        return json_response({"version": shoal_version()})
+
+    @app.get("/load")
+    async def load():
+        """Requests this server holds (vLLM's server_load): what a router balances on."""
+        return json_response({"server_load": state.engine.num_live})
 
     return app
 

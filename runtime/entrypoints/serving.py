@@ -7,6 +7,8 @@
     fits the context (prompt + max_tokens), ids in the vocab  -> 400
     admit again (no await from here to submit), submit
     stream: wait until accepted, then SSE; else collect, then the body
+
+and vLLM's /tokenize and /detokenize (on the same tokenizer pool).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from shoal.runtime.engine.async_engine import EngineDead, EngineNotReady, NeverF
 from shoal.runtime.entrypoints.errors import APIError, dumps, unavailable
 from shoal.runtime.entrypoints.job import Job, await_accepted, collect
 from shoal.runtime.entrypoints.prompts import PromptTooLong, context_error
-from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from shoal.runtime.entrypoints.render import Renderer
 from shoal.runtime.entrypoints.state import ServerState
 
@@ -143,3 +145,32 @@ class Serving:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage)
         return await self._respond(request, req, job, renderer)
+
+    # -- vLLM's utility endpoints -----------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        state = self.state
+        state.check_accepting()
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
+        prompts = state.prompts
+        if req.prompt is not None:
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await self._tokenize(prompts.text_ids, req.prompt, special)
+        else:
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+            ids = await self._tokenize(prompts.chat_ids, messages, req.add_generation_prompt, bool(req.add_special_tokens),
+                                       param="messages")
+        strs = await prompts.run(prompts.token_strs, ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        state = self.state
+        state.check_accepting()
+        state.check_model(req.model)
+        vocab = state.engine.vocab_size
+        bad = next((t for t in req.tokens if vocab and t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": await state.prompts.run(state.prompts.decode, req.tokens)}
+
