@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import abc
 
-
-class Finished:
-    """A step that ran to the end when it was started: .result() is its logits."""
-
-    def __init__(self, logits):
-        self.logits = logits
-
-    def result(self):
-        return self.logits
+from shoal.runtime.layers.sampler import Finished
 
 
 class Executor(abc.ABC):

@@ -13,12 +13,12 @@ import torch
 
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
-from shoal.runtime.executor.base import Executor, Finished
+from shoal.runtime.executor.base import Executor
 from shoal.runtime.executor.staging import Staging
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
-from shoal.runtime.layers.sampler import SampleResult, SamplingMetadata, sample, sample_on_device
+from shoal.runtime.layers.sampler import Finished, SampleResult, SamplingMetadata, sample, sample_on_device
 from shoal.runtime.models.llama import LlamaForCausalLM
 from shoal.runtime.models.loader import iter_weights
 

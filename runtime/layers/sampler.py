@@ -193,13 +193,13 @@ def _sample_rows(logits: torch.Tensor, m: SamplingMetadata) -> "Sampled":
 
 
 class Finished:
-    """Results already on the host."""
+    """A result that is already there (on the host, or a step run to its end): .result() returns it."""
 
-    def __init__(self, result: SampleResult):
-        self._result = result
+    def __init__(self, value):
+        self.value = value
 
-    def result(self) -> SampleResult:
-        return self._result
+    def result(self):
+        return self.value
 
 
 def sample(logits: torch.Tensor, m: SamplingMetadata) -> SampleResult:
