@@ -15,6 +15,29 @@ def _is_int(x) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's StructuredOutputsParams): exactly one of these.
+
+    The server turns response_format, `structured_outputs`, the older `guided_*` fields and
+    a forced tool call into one of these; the engine compiles it once per distinct value.
+    """
+
+    json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+    json_object: bool = False  # any JSON object (response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings, verbatim
+    grammar: str | None = None  # an EBNF grammar (GBNF as xgrammar reads it)
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16
@@ -37,6 +60,7 @@ class SamplingParams:
     # far), "delta" (what this step added: the server), "final_only" (one output at the end)
     output_kind: str = "cumulative"
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
