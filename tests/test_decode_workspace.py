@@ -52,3 +52,21 @@ def test_workspace_attention_matches_paged_reference_as_sequences_come_and_go():
 def test_sorted_rows_read_less_than_padding_to_the_longest():
     lens = [700, 650, 400, 390, 380, 200, 100, 90, 60, 50, 40, 30, 20, 10, 5, 1]
     assert read_cost(lens) < 0.75 * len(lens) * max(lens)
+
+
+def test_workspace_attention_runs_in_half_precision():
+    torch.manual_seed(0)
+    kv = torch.randn(2, KVH, 64, BS, D).permute(0, 2, 3, 1, 4)
+    k_cache, v_cache = kv[0], kv[1]
+    live = [SimpleNamespace(seq_id=i, num_computed=n, block_table=list(range(i * 16, i * 16 + 16))) for i, n in enumerate((5, 30, 17))]
+    batch = SimpleNamespace(seqs=live, num_decodes=len(live))
+    plan = DecodeRows(10**9, 2 * KVH * D * 2, KVH).plan(batch, pad_rows)
+    q, k, v = torch.randn(3, H, D), torch.randn(3, KVH, D), torch.randn(3, KVH, D)
+    slots = torch.tensor([s.block_table[s.num_computed // BS] * BS + s.num_computed % BS for s in live])
+    ref.write_kv_cache(k, v, k_cache, v_cache, slots)
+    want = ref.paged_attention_decode(q, k_cache, v_cache, pad_rows([s.block_table for s in live]), torch.tensor([s.num_computed + 1 for s in live]), D**-0.5)
+    bf = torch.bfloat16
+    workspace = new_workspace(plan, KVH, D, bf, "cpu")
+    got = decode_attention(q.to(bf), k.to(bf), v.to(bf), k_cache.to(bf), v_cache.to(bf), workspace, plan, D**-0.5)
+    assert got.dtype == bf
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)

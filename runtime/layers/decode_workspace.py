@@ -180,6 +180,7 @@ def decode_attention(q, k, v, k_cache, v_cache, workspace, plan: DecodePlan, sca
         n = c.end - c.start
         keys = kw[c.start : c.end, :, : c.length].reshape(n * kvh, c.length, d)  # views: no copy
         values = vw[c.start : c.end, :, : c.length].reshape(n * kvh, c.length, d)
-        scores = torch.baddbmm(c.bias, q[c.start : c.end].view(n * kvh, g, d), keys.transpose(1, 2), alpha=scale)
+        # the plan is built in float32; a bf16/fp16 model adds the bias in its own dtype
+        scores = torch.baddbmm(c.bias.to(q.dtype), q[c.start : c.end].view(n * kvh, g, d), keys.transpose(1, 2), alpha=scale)
         torch.bmm(scores.softmax(-1), values, out=out[c.start : c.end].view(n * kvh, g, d))
     return out if plan.decode_rows is None else out.index_select(0, rows)
