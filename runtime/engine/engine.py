@@ -300,15 +300,32 @@ class LLMEngine:
         if not seq.params.stop and seq.params.output_kind == "final_only":
             detokenizer.append_text(self.tokenizer, seq, final=True)  # all of its text, once
 
-    def _warm_up(self) -> None:
-        """One short prefill and a decode, so the first real request pays no first-call costs."""
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        n = min(16, self.max_model_len - 2)
-        self.add_request("__warmup__", list(range(1, n + 1)), params)
+    def warm_up_lengths(self, full: bool) -> list[int]:
+        """Prompt lengths of the warm-up requests. A short one always; with `full` (on a GPU)
+        a spread that makes Triton compile the kernels' variants before the first request
+        does: it specializes integer arguments on == 1 and on divisibility by 16 (batch
+        sizes, block-table strides), and the decode kernel on its number of splits, which
+        grows with the context. Chunked prefill (a prompt over the token budget) adds
+        prefills over a cached prefix, and the whole set runs as one mixed batch."""
+        top = self.max_model_len - 3
+        lengths = [16] if not full else [1, 7, 16, 33, 100, 300, 1000, self.config.max_num_batched_tokens + 37, top]
+        return sorted({max(1, min(n, top)) for n in lengths})
+
+    def _warm_up(self, full: bool | None = None) -> None:
+        """Warm-up requests (warm_up_lengths), so the first real request pays no first-call costs."""
+        if full is None:
+            full = torch.device(self.config.device).type == "cuda"
+        greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=20, seed=0, logprobs=2, ignore_eos=True)
+        for i, n in enumerate(self.warm_up_lengths(full)):
+            self.add_request(f"__warmup_{i}__", [1 + t % (self.vocab_size - 1) for t in range(n)], sampled if i % 2 else greedy)
+            if full and i == 0:  # a batch of one alone first (Triton specializes == 1)
+                while self.has_unfinished_requests():
+                    self.step()
         while self.has_unfinished_requests():
             self.step()
         self.kv.reset_prefix_cache()
-        self.prompt_tokens = self.generation_tokens = 0
+        self.prompt_tokens = self.generation_tokens = self.scheduler.num_preemptions = 0
 
     def shutdown(self) -> None:
         self.executor.shutdown()
