@@ -307,7 +307,7 @@ class LLMEngine:
         sizes, block-table strides), and the decode kernel on its number of splits, which
         grows with the context. Chunked prefill (a prompt over the token budget) adds
         prefills over a cached prefix, and the whole set runs as one mixed batch."""
-        top = self.max_model_len - 3
+        top = min(self.max_model_len - 3, 4096)  # a 128k context is not prefilled at start-up
         lengths = [16] if not full else [1, 7, 16, 33, 100, 300, 1000, self.config.max_num_batched_tokens + 37, top]
         return sorted({max(1, min(n, top)) for n in lengths})
 
