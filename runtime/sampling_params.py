@@ -8,6 +8,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP = 64
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_BAD_WORDS = 256
 
 
 def _is_int(x) -> bool:
@@ -61,6 +63,9 @@ class SamplingParams:
     output_kind: str = "cumulative"
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never produced (engine/bad_words.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -104,8 +109,30 @@ class SamplingParams:
             bad("stop_token_ids must be token ids (integers >= 0)")
         if not _is_int(self.priority) or not INT64_MIN <= self.priority <= INT64_MAX:
             bad(f"priority must be a 64-bit integer, got {self.priority!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(not _is_int(k) or k < 0 for k in self.logit_bias):
+                bad("logit_bias must map token ids (integers >= 0) to biases")
+            for v in self.logit_bias.values():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                    bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                                                   or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs must be a StructuredOutputsParams")
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             bad(f"output_kind must be cumulative, delta or final_only, got {self.output_kind!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids this asks for exist in a vocabulary of vocab_size (the logits' width)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("stop_token_ids", self.stop_token_ids)):
+            outside = next((t for t in ids if t >= vocab_size), None)
+            if outside is not None:
+                raise ValueError(f"{name} holds token id {outside}, outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -19,10 +19,11 @@ import torch
 
 from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.config import EngineConfig
-from shoal.runtime.engine import detokenizer
+from shoal.runtime.engine import bad_words, detokenizer
 from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Status
 from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.runtime.executor.executor import make_executor
+from shoal.runtime.engine.structured_output import StructuredOutputs, pack_ids
 from shoal.runtime.engine.step_input import pad_rows, prepare, sampling_metadata
 from shoal.runtime.layers.sampler import SampleResult
 from shoal.runtime.models.loader import load_config, load_tokenizer, resolve_model
@@ -82,6 +83,7 @@ class LLMEngine:
         self.eos_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)
         self.executor = make_executor(config, self.hf_config, self.model_dir, model_len)
         self.sampling_device = torch.device(config.device).type  # the leader samples on its device
         self.load_times["load"] = time.perf_counter() - t
@@ -139,10 +141,14 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} (max_model_len), "
                 "which leaves no room to generate"
             )
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids holds {bad_stop[0]}, outside the vocabulary")
+        params.check_vocab(self.vocab_size)
         request = Request(request_id, text, ids, params, arrival_time or time.time(), device=self.sampling_device)
+        if params.structured_outputs is not None:
+            request.grammar = self.structured.compile(params.structured_outputs)  # cached when the server compiled it
+        if params.allowed_token_ids:
+            request.allowed_mask = pack_ids(params.allowed_token_ids, self.vocab_size)
+        if params.bad_words:
+            request.bad_words = bad_words.token_sequences(self.tokenizer, params.bad_words)
         detokenizer.start(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -185,7 +191,7 @@ class LLMEngine:
             plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
             rows, targets = self._sample_targets(batch)
             step = prepare(batch, rows, self.block_size, plan)
-            step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size) if targets else None
+            step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured) if targets else None
             if self.num_lanes > 1:
                 self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step))
                 self.scheduler.after_step(batch)
@@ -284,6 +290,14 @@ class LLMEngine:
         # text each step only when someone reads it: stop strings, or outputs before the end
         text_each_step = bool(params.stop) or params.output_kind != "final_only"
         delta = detokenizer.append_text(self.tokenizer, seq) if text_each_step else ""
+        if seq.matcher is not None:  # the grammar decides when the text ends (min_tokens, ignore_eos too)
+            if not seq.matcher.accept_token(token):
+                self._finish(seq, "error", None)
+                log.error("request %s: token %d does not follow its grammar", seq.request.request_id, token)
+                return
+            if seq.matcher.is_terminated():
+                self._finish(seq, "stop", None)
+                return
         may_stop = seq.num_output_tokens >= params.min_tokens
         if may_stop and not params.ignore_eos and token in self.eos_ids:
             self._finish(seq, "stop", None)

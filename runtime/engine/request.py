@@ -78,6 +78,7 @@ class Sequence:
         self.text = ""
         self.prefix_offset = self.read_offset = self.num_prompt_tokens
         self.decode_stream = None  # (tokenizers DecodeStream, its tokenizer), see detokenizer.py
+        self.matcher = None  # its grammar's state (structured outputs), made when it first samples
 
     @property
     def params(self) -> SamplingParams:
@@ -132,6 +133,9 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     seqs: list[Sequence] = field(default_factory=list)
     device: str = "cpu"  # where its seeded generators draw (the device that samples)
+    grammar: object = None  # the compiled grammar of params.structured_outputs (structured_output.py)
+    allowed_mask: object = None  # params.allowed_token_ids as a packed int32 bitmask row
+    bad_words: list[list[int]] | None = None  # params.bad_words as token sequences
 
     def __post_init__(self):
         self.metrics = RequestMetrics(self.arrival_time)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shoal.runtime.engine import bad_words
 from shoal.runtime.engine.request import Sequence
 from shoal.runtime.engine.scheduler import ScheduledBatch
+from shoal.runtime.engine.structured_output import fill_row, num_words
 from shoal.runtime.executor.model_runner import StepInput
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.sampler import SamplingMetadata
@@ -59,7 +61,7 @@ def _column(values: list, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
 
-def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int) -> SamplingMetadata:
+def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int, structured=None) -> SamplingMetadata:
     """The sampling rows' parameters as tensors: one row per sequence that samples this step."""
     params = [s.params for s in seqs]
     greedy = [p.greedy for p in params]
@@ -81,12 +83,28 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int)
         m.presence_penalty = _column([p.presence_penalty for p in params])
         m.frequency_penalty = _column([p.frequency_penalty for p in params])
         m.output_ids = pad_rows([s.output_ids for s in seqs], fill=-1)
-    # min_tokens: EOS (unless ignored) and the stop ids cannot end the sequence yet
-    banned = [(row, t) for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
-              for t in ([] if s.params.ignore_eos else eos_ids) + s.params.stop_token_ids]
+    # min_tokens: EOS (unless ignored) and the stop ids cannot end the sequence yet; bad_words
+    bans = {row: ([t for t in ([] if s.params.ignore_eos else eos_ids) + s.params.stop_token_ids]
+                  if s.num_output_tokens < s.params.min_tokens else [])
+            + (bad_words.banned_now(s.request.bad_words, s.output_ids) if s.request.bad_words else [])
+            for row, s in enumerate(seqs)}
+    masked = [row for row, s in enumerate(seqs) if s.request.grammar is not None or s.request.allowed_mask is not None]
+    if masked:  # grammar, allowed_token_ids, and those rows' bans: one packed bitmask (structured_output.py)
+        m.token_bitmask = torch.full((len(seqs), num_words(vocab_size)), -1, dtype=torch.int32)
+        for row in masked:
+            s = seqs[row]
+            if s.request.grammar is not None and s.matcher is None:
+                s.matcher = structured.matcher(s.request.grammar)
+            fill_row(m.token_bitmask, row, s, vocab_size, bans.pop(row))
+    banned = [(row, t) for row, ids in bans.items() for t in ids]
     if banned:
         m.banned_rows = _column([r for r, _ in banned], torch.long)
         m.banned_ids = _column([t for _, t in banned], torch.long)
+    biased = [(row, t, b) for row, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    if biased:
+        m.bias_rows = _column([r for r, _, _ in biased], torch.long)
+        m.bias_ids = _column([t for _, t, _ in biased], torch.long)
+        m.bias_values = _column([b for _, _, b in biased])
     if any(p.logprobs is not None for p in params):
         m.num_logprobs = [p.logprobs for p in params]
     return m

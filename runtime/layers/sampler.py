@@ -36,6 +36,12 @@ class SamplingMetadata:
     output_ids: torch.Tensor | None = None  # [S, W] long: output ids, padded with -1
     banned_rows: torch.Tensor | None = None  # [N] long, with banned_ids: (row, token) pairs set to -inf
     banned_ids: torch.Tensor | None = None  # [N] long
+    bias_rows: torch.Tensor | None = None  # [B] long, with bias_ids, bias_values: logit_bias added at (row, token)
+    bias_ids: torch.Tensor | None = None  # [B] long
+    bias_values: torch.Tensor | None = None  # [B] float32
+    # [S, ceil(V / 32)] int32: bit j of word i allows token 32 i + j (xgrammar's layout);
+    # rows without a grammar or allowed_token_ids are all ones
+    token_bitmask: torch.Tensor | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
     num_logprobs: list[int | None] | None = None  # per row: top-k log-probabilities wanted, or None
 
@@ -46,6 +52,10 @@ class SamplingMetadata:
             mine = self.banned_rows == row
             one["banned_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.banned_rows.device)
             one["banned_ids"] = self.banned_ids[mine]
+        if self.bias_rows is not None:
+            mine = self.bias_rows == row
+            one["bias_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.bias_rows.device)
+            one["bias_ids"], one["bias_values"] = self.bias_ids[mine], self.bias_values[mine]
         one["all_greedy"] = bool(self.greedy[row])
         one["generators"] = {0: self.generators[row]} if row in self.generators else {}
         one["num_logprobs"] = None if self.num_logprobs is None else [self.num_logprobs[row]]
@@ -111,12 +121,24 @@ def _exponentials(shape, m: SamplingMetadata, device) -> torch.Tensor:
     return race.log_().neg_()  # U = 0 gives +inf, which never wins the race
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [S, V] (in place): -inf wherever the packed bitmask [S, ceil(V / 32)] has a 0
+    bit, on whatever device they are (one unpack by shifts, one masked_fill)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[1]]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
 def sample_tokens(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     """logits [S, V] float32 (modified in place) -> token ids [S], on the logits' device."""
     if m.repetition_penalty is not None or m.presence_penalty is not None:
         apply_penalties(logits, m)
+    if m.bias_rows is not None:
+        logits.index_put_((m.bias_rows, m.bias_ids), m.bias_values, accumulate=True)
     if m.banned_rows is not None:
         logits[m.banned_rows, m.banned_ids] = float("-inf")
+    if m.token_bitmask is not None:  # last: the grammar wins over the bias (the engine keeps a bit set)
+        apply_token_bitmask(logits, m.token_bitmask)
     if m.all_greedy:
         return logits.argmax(-1)
     scaled = apply_top_k_top_p_min_p(logits / torch.where(m.greedy, 1.0, m.temperature)[:, None], m)
