@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import copy
 import json
+import re
 import threading
 
 import numpy as np
@@ -132,7 +133,7 @@ class StructuredOutputs:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
             what = "JSON schema" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            message = message.split("] ", 1)[-1] if message.startswith("[") else message  # drop the C++ log prefix
+            message = re.sub(r"^(\[[^\]]*\]\s*)?(\S+:\d+:\s*)?", "", message)  # drop the C++ log prefix (time, file:line)
             raise ValueError(f"the {what} cannot be compiled: {message}") from None
 
     def matcher(self, compiled):

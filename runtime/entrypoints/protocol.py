@@ -27,16 +27,14 @@ MAX_STOP_CHARS = 1024
 # Fields of vLLM's or OpenAI's request bodies that this server does not implement, with the
 # value that means "not used": a body that sets one to anything else gets a 400 naming it.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structural_tag": None,
-    "structured_outputs": None, "prompt_logprobs": None, "bad_words": None, "allowed_token_ids": None,
+    "guided_whitespace_pattern": None, "structural_tag": None, "prompt_logprobs": None,
     "truncate_prompt_tokens": None, "return_token_ids": False, "return_tokens_as_token_ids": False,
     "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "kv_transfer_params": None,
     "cache_salt": None, "vllm_xargs": None, "mm_processor_kwargs": None, "chat_template": None,
     "chat_template_kwargs": None, "continue_final_message": False, "documents": None,
     "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
-    "reasoning_effort": None, "web_search_options": None, "response_format": None, "echo": False,
+    "reasoning_effort": None, "web_search_options": None, "echo": False,
 }
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -68,6 +66,32 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    name: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: str = Field(description="text, json_object or json_schema")
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` body field: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    json_: dict | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingRequest(BaseModel):
     """Fields common to both endpoints: OpenAI's, then the extras of docs/design.md."""
 
@@ -95,6 +119,16 @@ class _SamplingRequest(BaseModel):
     priority: Int64 = Field(0, description="lower runs first; anything but 0 needs --scheduling-policy priority")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs and logit masks (docs/structured_outputs.md; structured_request.py reads them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = Field(None, description="xgrammar or auto")
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -115,8 +149,6 @@ class _SamplingRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(message, field) for a field that is set but not supported, or None."""
-        if self.logit_bias:
-            return "logit_bias is not supported", "logit_bias"
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             return "stream_options.continuous_usage_stats is not supported", "stream_options"
         for name, value in (self.model_extra or {}).items():
@@ -224,11 +256,6 @@ class ChatMessage(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ResponseFormat(BaseModel):
-    model_config = _STRICT
-    type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="deprecated by OpenAI: max_completion_tokens")
@@ -237,14 +264,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools and self.tool_choice != "none":
             return "tools are not supported by this server", "tools"
-        if self.response_format is not None and self.response_format.type != "text":
-            return f"response_format {self.response_format.type!r} is not supported", "response_format"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs requires logprobs: true", "top_logprobs"
         return super().unsupported()

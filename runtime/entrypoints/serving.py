@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from shoal.runtime.engine.async_engine import EngineDead, EngineNotReady, NeverFits, QueueFull
+from shoal.runtime.entrypoints import structured_request
 from shoal.runtime.entrypoints.errors import APIError, dumps, unavailable
 from shoal.runtime.entrypoints.job import Job, await_accepted, collect
 from shoal.runtime.entrypoints.prompts import PromptTooLong, context_error
@@ -49,9 +50,26 @@ class Serving:
             raise APIError(400, f"at most {state.max_logprobs} logprobs per token (--max-logprobs), got {logprobs}",
                            param="top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
         try:
-            return req.sampling_params(max_tokens, logprobs, state.engine.vocab_size)
+            params = req.sampling_params(max_tokens, logprobs, state.engine.vocab_size)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
+        structured_request.apply(req, params, state.engine.vocab_size)
+        return params
+
+    async def _compile(self, req, params) -> None:
+        """Compile the request's grammar on the tokenizer pool (the engine finds it cached): a
+        schema, regex or grammar that cannot be compiled is a 400 naming its field."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        field = structured_request.grammar_field(req)
+        structured = getattr(self.state.engine.engine, "structured", None)
+        if structured is None:
+            raise APIError(400, "structured outputs are not supported by this engine", param=field)
+        try:
+            await self.state.prompts.run(structured.compile, spec)
+        except ValueError as e:
+            raise APIError(400, str(e), param=field or "structured_outputs") from None
 
     def _admit(self, count: int) -> None:
         state = self.state
@@ -110,6 +128,7 @@ class Serving:
             raise APIError(400, str(e), param="prompt") from None
         params = self._params(req, req.max_tokens, req.logprobs)
         self._admit(len(prompts))  # before tokenizing: a full queue costs no work
+        await self._compile(req, params)
         ids = []
         for prompt in prompts:
             if isinstance(prompt, str):
@@ -135,6 +154,7 @@ class Serving:
         max_tokens = req.completion_tokens_limit()
         params = self._params(req, max_tokens, k)
         self._admit(1)
+        await self._compile(req, params)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
         ids = await self._tokenize(state.prompts.chat_ids, messages, req.add_generation_prompt, param="messages")
         self._check_fits(ids, max_tokens, param="messages")
