@@ -56,6 +56,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities per token (the chosen one always included)
+    # the same for every prompt token after the first (vLLM's prompt_logprobs; docs/engine.md)
+    prompt_logprobs: int | None = None
     priority: int = 0
     skip_special_tokens: bool = True
     # what each RequestOutput holds (vLLM's RequestOutputKind): "cumulative" (everything so
@@ -101,6 +103,8 @@ class SamplingParams:
             bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             bad(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):

@@ -80,6 +80,7 @@ class Output:
     deltas: list[Delta]
     finished: bool
     num_prompt_tokens: int = 0
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: in the request's first output
 
 
 @dataclass
@@ -445,4 +446,5 @@ class AsyncEngine:
                     posts.append((tr.queue, Failed(out.request_id, tr.tag, f"the request failed in the engine: {why}", engine_alive=True)))
                     continue
             if deltas or out.finished:
-                posts.append((tr.queue, Output(out.request_id, tr.tag, deltas, out.finished, len(out.prompt_token_ids or ()))))
+                posts.append((tr.queue, Output(out.request_id, tr.tag, deltas, out.finished, len(out.prompt_token_ids or ()),
+                                               getattr(out, "prompt_logprobs", None))))

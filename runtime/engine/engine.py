@@ -20,6 +20,7 @@ import torch
 from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine import bad_words, detokenizer
+from shoal.runtime.engine.prompt_scoring import PromptScoring, prompt_scoring
 from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Status
 from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.runtime.executor.executor import make_executor
@@ -63,6 +64,7 @@ def eos_token_ids(model_dir, tokenizer) -> list[int]:
 class InFlight:
     targets: list[Sequence]  # who samples from the batch's logits rows, in order
     pending: object  # the executor's PendingStep: .result() waits for the sampled tokens
+    scoring: PromptScoring | None = None  # its prompt rows (prompt_logprobs), scored beside
 
 
 def batches_in_flight(config: EngineConfig, executor) -> int:
@@ -142,6 +144,8 @@ class LLMEngine:
                 "which leaves no room to generate"
             )
         params.check_vocab(self.vocab_size)
+        if params.prompt_logprobs is not None and not self.executor.scores_prompts:
+            raise ValueError("prompt_logprobs is not supported with tensor or pipeline parallelism")
         request = Request(request_id, text, ids, params, arrival_time or time.time(), device=self.sampling_device)
         if params.structured_outputs is not None:
             request.grammar = self.structured.compile(params.structured_outputs)  # cached when the server compiled it
@@ -192,13 +196,15 @@ class LLMEngine:
             rows, targets = self._sample_targets(batch)
             step = prepare(batch, rows, self.block_size, plan)
             step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured) if targets else None
+            scoring = prompt_scoring(batch)
+            step.prompt_logprobs = scoring.rows if scoring else None
             if self.num_lanes > 1:
-                self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step))
+                self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step), scoring)
                 self.scheduler.after_step(batch)
             else:
                 sampled = self.executor.execute(step)
                 self.scheduler.after_step(batch)
-                outputs = self._collect(targets, sampled)
+                outputs = self._collect(targets, sampled, scoring)
         if not self.requests:
             self._drain()
         return outputs
@@ -210,10 +216,12 @@ class LLMEngine:
 
     def _collect_in_flight(self, lane: int) -> list[RequestOutput]:
         flight = self._in_flight.pop(lane)
-        return self._collect(flight.targets, flight.pending.result())
+        return self._collect(flight.targets, flight.pending.result(), flight.scoring)
 
-    def _collect(self, targets: list[Sequence], result: SampleResult | None) -> list[RequestOutput]:
-        """Append a batch's sampled tokens to its sequences."""
+    def _collect(self, targets: list[Sequence], result: SampleResult | None, scoring: PromptScoring | None = None) -> list[RequestOutput]:
+        """Append a batch's sampled tokens to its sequences (and its prompt scores to theirs)."""
+        if scoring is not None:
+            scoring.collect(self.tokenizer)
         if not targets:
             return []
         now = time.time()

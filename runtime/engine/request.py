@@ -30,6 +30,15 @@ class RequestMetrics:
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one prompt position (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None  # 1: the likeliest token there
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -48,6 +57,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # params.prompt_logprobs: None for the first token, then {token_id: Logprob} holding the
+    # prompt's token and the top k (delta outputs: in the first output only)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class Sequence:
@@ -104,6 +116,12 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its next prompt chunk must score the prompt's tokens (prompt_logprobs): the
+        first sequence, until it samples; it reads nothing from the prefix cache meanwhile."""
+        return self.index == 0 and self.request.prompt_logprobs is not None and self.num_output_tokens == 0
+
     def output(self, delta: bool = False) -> CompletionOutput | None:
         """Everything so far, or (delta) only what was added since the last delta: None if nothing was."""
         first_token, first_char = (self.num_sent_tokens, self.num_sent_chars) if delta else (0, 0)
@@ -139,6 +157,8 @@ class Request:
 
     def __post_init__(self):
         self.metrics = RequestMetrics(self.arrival_time)
+        self.prompt_logprobs = None if self.params.prompt_logprobs is None else [None] * self.num_prompt_tokens
+        self._prompt_logprobs_sent = False
         self.seqs.append(Sequence(self, 0, self.prompt_token_ids))
 
     @property
@@ -159,6 +179,8 @@ class Request:
         if kind == "final_only" and not self.finished:
             return None
         outputs = [s.output(delta=kind == "delta") for s in self.seqs]
+        prompt_logprobs = None if self._prompt_logprobs_sent else self.prompt_logprobs
+        self._prompt_logprobs_sent |= kind == "delta" and any(o is not None for o in outputs)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -166,4 +188,5 @@ class Request:
             outputs=[o for o in outputs if o is not None],
             finished=self.finished,
             metrics=self.metrics,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -113,7 +113,7 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(running) < share):
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and not seq.scores_prompt:  # prompt_logprobs: every position is computed
                 self.kv.reuse_prefix(seq)
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
             if not self.kv.allocate(seq, seq.num_computed + num_new):

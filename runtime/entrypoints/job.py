@@ -47,9 +47,12 @@ class Job:
         self.unfinished: set[str] = set()
         self.prompt_tokens: dict[int, int] = {}
         self.choices: dict[int, Choice] = {}
+        self.prompt_ids: list[list[int]] = []  # per prompt (tag), as submitted
+        self.prompt_logprobs: dict[int, list] = {}  # per prompt, when the params ask for them
 
     def submit(self, prompts: list, params) -> None:
         arrival = time.time()
+        self.prompt_ids = list(prompts)
         for p, prompt in enumerate(prompts):
             rid = f"{self.http_id}-{p}"
             self.rids.append(rid)
@@ -83,6 +86,8 @@ class Job:
         assert isinstance(item, Output)
         if item.num_prompt_tokens:
             self.prompt_tokens[item.tag] = item.num_prompt_tokens
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs[item.tag] = item.prompt_logprobs
         added = []
         for d in item.deltas:
             c = self.choice(item.tag, d.index)

@@ -4,7 +4,7 @@ Requests are validated here, strictly (no "4" for 4, no true for 1, no NaN), wit
 numeric range in the OpenAPI schema (Field ge/le) so clients and fuzzers see the edges;
 `SamplingParams.validate` checks the same rules again for the Python API. Unknown fields
 are ignored, as vLLM does, so clients that send newer OpenAI fields keep working, but a
-field this server knows and does not implement (vLLM's guided_json, prompt_logprobs, ...)
+field this server knows and does not implement (vLLM's guided_json, bad_words, ...)
 is refused with a 400 that names it, never silently ignored. Responses are built as plain
 dicts on the hot path (streaming chunks); the models below document them in the schema.
 """
@@ -27,8 +27,7 @@ MAX_STOP_CHARS = 1024
 # Fields of vLLM's or OpenAI's request bodies that this server does not implement, with the
 # value that means "not used": a body that sets one to anything else gets a 400 naming it.
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "guided_whitespace_pattern": None, "structural_tag": None, "prompt_logprobs": None,
-    "truncate_prompt_tokens": None, "return_token_ids": False, "return_tokens_as_token_ids": False,
+    "guided_whitespace_pattern": None, "structural_tag": None,
     "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "kv_transfer_params": None,
     "cache_salt": None, "vllm_xargs": None, "mm_processor_kwargs": None, "chat_template": None,
@@ -129,6 +128,11 @@ class _SamplingRequest(BaseModel):
     guided_decoding_backend: str | None = Field(None, description="xgrammar or auto")
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    # scoring and token extras, vLLM's (entrypoints/scoring.py)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the prompt's tokens, top k")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX, description="keep the last k prompt tokens (-1: max_model_len); at most max_model_len")
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -184,7 +188,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX, description="prompt tokens + max_tokens must fit in the model's context")
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, description="prompt tokens + max_tokens must fit in the model's context; 0 only with echo (score the prompt)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)

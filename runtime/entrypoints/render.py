@@ -20,6 +20,7 @@ from shoal.runtime.entrypoints.errors import APIError, dumps, error_body, finite
 from shoal.runtime.entrypoints.job import Job, stream_items
 
 if TYPE_CHECKING:
+    from shoal.runtime.entrypoints.scoring import Extras
     from shoal.runtime.entrypoints.state import ServerState
 
 
@@ -31,28 +32,30 @@ def sse_response(gen) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def completion_logprobs(state: "ServerState", token_ids: list[int], lps: list[dict], offset: int) -> dict:
+def completion_logprobs(state: "ServerState", token_ids: list[int], lps: list[dict], offset: int, tok=None) -> dict:
+    tok = tok or state.tok_str  # token id -> its string (return_tokens_as_token_ids: "token_id:N")
     tokens, token_lps, top, offsets = [], [], [], []
     for tid, d in zip(token_ids, lps):
-        s = state.tok_str(tid)
+        s = tok(tid)
         tokens.append(s)
         token_lps.append(finite(d.get(tid, -9999.0)))
-        top.append({state.tok_str(k): finite(v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
+        top.append({tok(k): finite(v) for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(state: "ServerState", token_ids: list[int], lps: list[dict], k: int) -> dict:
+def chat_logprobs(state: "ServerState", token_ids: list[int], lps: list[dict], k: int, tok=None) -> dict:
+    tok = tok or state.tok_str
     content = []
     for tid, d in zip(token_ids, lps):
-        s = state.tok_str(tid)
+        s = tok(tid)
         top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
         content.append({
             "token": s,
             "logprob": finite(d.get(tid, -9999.0)),
             "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [{"token": state.tok_str(t), "logprob": finite(v), "bytes": list(state.tok_str(t).encode("utf-8"))} for t, v in top],
+            "top_logprobs": [{"token": tok(t), "logprob": finite(v), "bytes": list(tok(t).encode("utf-8"))} for t, v in top],
         })
     return {"content": content}
 
@@ -61,31 +64,52 @@ class Renderer:
     """One job's response: `body()` when it has finished, or `stream(early)` as SSE."""
 
     def __init__(self, state: "ServerState", job: Job, created: int, *, chat: bool, logprobs: int | None,
-                 echo_text: dict[int, str] | None = None, include_usage: bool = False):
+                 echo_text: dict[int, str] | None = None, include_usage: bool = False, extras: "Extras | None" = None):
         self.state, self.job, self.created, self.chat = state, job, created, chat
+        self.extras = extras  # scoring and token fields (scoring.py)
+        self.tok = extras.tok(state) if extras is not None else state.tok_str
         self.k = logprobs  # completions: top logprobs per token; chat: top_logprobs (None: none asked)
         self.echo_text = echo_text or {}
         self.include_usage = include_usage
         self.offsets: dict[int, int] = {}  # completions' text_offset, per streamed choice
+        self.ids_sent: set[int] = set()  # streamed choices whose prompt_token_ids went out (return_token_ids)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict], offset: int) -> dict:
         if self.chat:
-            return chat_logprobs(self.state, token_ids, lps, self.k)
-        return completion_logprobs(self.state, token_ids, lps, offset)
+            return chat_logprobs(self.state, token_ids, lps, self.k, self.tok)
+        return completion_logprobs(self.state, token_ids, lps, offset, self.tok)
 
     # -- the whole body -------------------------------------------------------------------
     def body(self) -> dict:
-        job = self.job
+        job, x = self.job, self.extras
         choices = []
+        usage = job.usage()
         for key in sorted(job.choices):
             c = job.choices[key]
-            prefix = "" if self.chat else self.echo_text.get(key // job.n, "")
-            lp = self._logprobs(c.token_ids, c.logprobs, len(prefix)) if self.k is not None else None
-            text = prefix + "".join(c.text)
-            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": key, **content, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            tag = key // job.n
+            prefix = "" if self.chat else self.echo_text.get(tag, "")
+            token_ids, lps, text, finish = c.token_ids, c.logprobs, "".join(c.text), (c.finish_reason, c.stop_reason)
+            if x is not None and x.echo_only:  # the token generated to get there is not part of the answer
+                token_ids, lps, text, finish = [], [], "", ("length", None)
+            lp = None
+            if x is not None and x.k_echo is not None:  # the echoed prompt's tokens lead
+                lp, end = x.echo_logprobs(self.state, job.prompt_ids[tag], job.prompt_logprobs.get(tag))
+                rest = self._logprobs(token_ids, lps, end)
+                lp = {name: lp[name] + rest[name] for name in lp}
+            elif self.k is not None:
+                lp = self._logprobs(token_ids, lps, len(prefix))
+            content = {"message": {"role": "assistant", "content": prefix + text}} if self.chat else {"text": prefix + text}
+            choice = {"index": key, **content, "logprobs": lp, "finish_reason": finish[0], "stop_reason": finish[1]}
+            if x is not None:
+                x.choice(choice, job.prompt_ids[tag], token_ids, job.prompt_logprobs.get(tag))
+            choices.append(choice)
+        if x is not None and x.echo_only:
+            usage = dict(usage, completion_tokens=0, total_tokens=usage["prompt_tokens"])
         obj = "chat.completion" if self.chat else "text_completion"
-        return {"id": job.http_id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices, "usage": job.usage()}
+        body = {"id": job.http_id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices, "usage": usage}
+        if x is not None:
+            x.body(body, job.prompt_ids[0] if job.prompt_ids else [], job.prompt_logprobs.get(0))
+        return body
 
     # -- the stream -----------------------------------------------------------------------
     @property
@@ -93,9 +117,18 @@ class Renderer:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.job.http_id, "object": obj, "created": self.created, "model": self.state.model_name}
 
-    def _chunk(self, index: int, payload, logprobs=None, finish_reason=None, stop_reason=None) -> str:
+    def _chunk(self, index: int, payload, logprobs=None, finish_reason=None, stop_reason=None, token_ids=None) -> str:
         choice = {"index": index, ("delta" if self.chat else "text"): payload, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
         obj = dict(self._base, choices=[choice])
+        if self.extras is not None and self.extras.return_token_ids:  # vLLM's: the prompt's ids once per choice
+            choice["token_ids"] = token_ids or []
+            if index not in self.ids_sent:
+                self.ids_sent.add(index)
+                ids = self.job.prompt_ids[index // self.job.n]
+                if self.chat:
+                    obj["prompt_token_ids"] = ids
+                else:
+                    choice["prompt_token_ids"] = ids
         if self.include_usage:
             obj["usage"] = None
         return sse(obj)
@@ -121,12 +154,13 @@ class Renderer:
                 lp = self._logprobs(d.token_ids, d.logprobs or [{}] * len(d.token_ids), off)
                 if not self.chat:
                     self.offsets[index] = off + sum(len(t) for t in lp["tokens"])
-            if d.text or d.finish_reason is not None or lp is not None:
+            ids = self.extras is not None and self.extras.return_token_ids and d.token_ids
+            if d.text or d.finish_reason is not None or lp is not None or ids:
                 if self.chat:
                     payload = {"content": d.text} if (d.text or lp is not None) else {}
                 else:
                     payload = d.text
-                out.append(self._chunk(index, payload, lp, d.finish_reason, d.stop_reason if d.finish_reason else None))
+                out.append(self._chunk(index, payload, lp, d.finish_reason, d.stop_reason if d.finish_reason else None, d.token_ids))
         return "".join(out)
 
     async def _events(self, early: list):

@@ -26,6 +26,7 @@ from shoal.runtime.entrypoints.job import Job, await_accepted, collect
 from shoal.runtime.entrypoints.prompts import PromptTooLong, context_error
 from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from shoal.runtime.entrypoints.render import Renderer
+from shoal.runtime.entrypoints.scoring import Extras
 from shoal.runtime.entrypoints.state import ServerState
 
 
@@ -34,7 +35,7 @@ class Serving:
         self.state = state
 
     # -- the checks ---------------------------------------------------------------------
-    def _prepare(self, req) -> None:
+    def _prepare(self, req) -> Extras:
         state = self.state
         state.check_accepting()
         state.check_model(req.model)
@@ -43,14 +44,17 @@ class Serving:
             raise APIError(400, unsupported[0], param=unsupported[1])
         if req.priority != 0 and state.config.scheduling_policy != "priority":
             raise APIError(400, "priority other than 0 needs --scheduling-policy priority (this server schedules fcfs)", param="priority")
+        extras = Extras(req, state.engine.max_model_len)
+        extras.check_logprobs_limit(state.max_logprobs)
+        return extras
 
-    def _params(self, req, max_tokens, logprobs):
+    def _params(self, req, max_tokens, logprobs, extras: Extras):
         state = self.state
         if logprobs is not None and logprobs > state.max_logprobs:
             raise APIError(400, f"at most {state.max_logprobs} logprobs per token (--max-logprobs), got {logprobs}",
                            param="top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
         try:
-            params = req.sampling_params(max_tokens, logprobs, state.engine.vocab_size)
+            params = extras.params(req.sampling_params(max_tokens, logprobs, state.engine.vocab_size))
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         structured_request.apply(req, params, state.engine.vocab_size)
@@ -121,19 +125,23 @@ class Serving:
     # -- the endpoints ------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request):
         state = self.state
-        self._prepare(req)
+        extras = self._prepare(req)
         try:
             prompts = req.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        params = self._params(req, req.max_tokens, req.logprobs)
+        max_tokens = extras.max_tokens(req.max_tokens)
+        params = self._params(req, max_tokens, req.logprobs, extras)
         self._admit(len(prompts))  # before tokenizing: a full queue costs no work
         await self._compile(req, params)
         ids = []
-        for prompt in prompts:
+        for p, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 prompt = await self._tokenize(state.prompts.text_ids, prompt)
-            self._check_fits(prompt, req.max_tokens)
+            kept = extras.truncated(prompt)
+            if len(kept) < len(prompt):
+                prompts[p] = prompt = kept  # the echo shows what the model saw
+            self._check_fits(prompt, max_tokens)
             ids.append(prompt)
         self._admit(len(prompts))  # and again with no await before submit: the bound holds
         job = Job(state, f"cmpl-{uuid.uuid4().hex}", req.n)
@@ -144,26 +152,27 @@ class Serving:
                 echo_text[p] = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
         job.submit(ids, params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        renderer = Renderer(state, job, created, chat=False, logprobs=req.logprobs, echo_text=echo_text, include_usage=include_usage)
+        renderer = Renderer(state, job, created, chat=False, logprobs=req.logprobs, echo_text=echo_text, include_usage=include_usage,
+                            extras=extras)
         return await self._respond(request, req, job, renderer)
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
         state = self.state
-        self._prepare(req)
+        extras = self._prepare(req)
         k = req.num_logprobs()
         max_tokens = req.completion_tokens_limit()
-        params = self._params(req, max_tokens, k)
+        params = self._params(req, max_tokens, k, extras)
         self._admit(1)
         await self._compile(req, params)
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-        ids = await self._tokenize(state.prompts.chat_ids, messages, req.add_generation_prompt, param="messages")
+        ids = extras.truncated(await self._tokenize(state.prompts.chat_ids, messages, req.add_generation_prompt, param="messages"))
         self._check_fits(ids, max_tokens, param="messages")
         self._admit(1)
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         job.submit([ids], params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage)
+        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras)
         return await self._respond(request, req, job, renderer)
 
     # -- vLLM's utility endpoints -----------------------------------------------------------

@@ -12,6 +12,7 @@ class Executor(abc.ABC):
     methods; the rest have the single-process answer."""
 
     pipelined = False  # whether steps may be in flight at once (execute_async returns early)
+    scores_prompts = False  # whether it fills a StepInput's prompt_logprobs rows (executor/prompt_logprobs.py)
 
     @abc.abstractmethod
     def kv_bytes_per_block(self) -> int: ...

@@ -14,6 +14,7 @@ import torch
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
 from shoal.runtime.executor.base import Executor
+from shoal.runtime.executor.prompt_logprobs import PromptRows, score
 from shoal.runtime.executor.staging import Staging
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
@@ -37,9 +38,12 @@ class StepInput:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
     sampling: SamplingMetadata | None = None  # set: the step returns sampled tokens, not logits
+    prompt_logprobs: PromptRows | None = None  # set: the runner also scores these prompt rows (into it)
 
 
 class ModelRunner(Executor):
+    scores_prompts = True
+
     def __init__(self, config, hf_config, model_dir, max_model_len: int, state: ParallelState = SINGLE, layer_split=None):
         self.config, self.hf_config, self.state = config, hf_config, state
         self.max_model_len = max_model_len
@@ -179,14 +183,17 @@ class ModelRunner(Executor):
 
     @torch.inference_mode()
     def _run(self, step: StepInput, hidden=None, residual=None):
-        """Logits, (hidden, residual) on a middle stage, or the Sampled tokens when the step samples."""
-        if self._runs_in_c(step, hidden):
+        """Logits, (hidden, residual) on a middle stage, or the Sampled tokens when the step samples.
+        A step that scores prompt rows runs eagerly in torch: the C decode step and the CUDA
+        graphs give the sample rows' logits only, not every row's hidden state."""
+        scoring = step.prompt_logprobs
+        if scoring is None and self._runs_in_c(step, hidden):
             m = step.meta
             logits = self.cpu_decoder.step(step.input_ids, step.positions, m.slot_mapping, m.decode_block_tables,
                                            m.decode_context_lens)[step.sample_rows]
             return logits if step.sampling is None else sample_on_device(logits, step.sampling)
         step = self.to_device(step)
-        if self.graphs is not None and hidden is None and self.graphs.fits(step):
+        if scoring is None and self.graphs is not None and hidden is None and self.graphs.fits(step):
             logits = self.graphs.run(step)
             return logits if step.sampling is None else sample_on_device(logits, step.sampling)
         meta, dev = step.meta, self.device
@@ -199,5 +206,7 @@ class ModelRunner(Executor):
         hidden, residual = self.model(self.ops, step.input_ids, step.positions, layer_caches, meta, hidden, residual)
         if not self.state.is_last_stage:
             return hidden, residual
+        if scoring is not None:
+            scoring.scores = score(self.model.compute_logits, hidden, scoring)
         logits = self.model.compute_logits(hidden[step.sample_rows]).float()
         return logits if step.sampling is None else sample_on_device(logits, step.sampling)

@@ -275,8 +275,8 @@ def test_priority_needs_the_priority_policy(h):
 
 @pytest.mark.parametrize("endpoint, field, value", [
     ("completions", "guided_json", {"type": "object"}), ("completions", "guided_regex", "a+"), ("completions", "guided_choice", ["a", "b"]),
-    ("completions", "prompt_logprobs", 1), ("completions", "bad_words", ["x"]), ("completions", "allowed_token_ids", [1, 2]),
-    ("completions", "use_beam_search", True), ("completions", "truncate_prompt_tokens", 5), ("completions", "response_format", {"type": "json_object"}),
+    ("completions", "prompt_embeds", "AAAA"), ("completions", "bad_words", ["x"]), ("completions", "allowed_token_ids", [1, 2]),
+    ("completions", "use_beam_search", True), ("completions", "cache_salt", "salt"), ("completions", "response_format", {"type": "json_object"}),
     ("completions", "spaces_between_special_tokens", False), ("chat", "structured_outputs", {"json": {}}), ("chat", "echo", True),
     ("chat", "continue_final_message", True), ("chat", "chat_template", "{{ x }}"), ("chat", "guided_grammar", "root ::= 'a'"),
     ("completions", "stream_options", {"include_usage": True, "continuous_usage_stats": True}),
