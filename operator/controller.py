@@ -243,7 +243,11 @@ class Controller:
             if existing is not None and owned_by(existing, uid) and not existing["metadata"].get("deletionTimestamp"):
                 kube.delete(api_version, kind, ns, mname)
             self.applied.pop((kind, ns, mname, uid or "", name), None)
-        router = self._router(kube, body, fresh=scrape) if render.routing_mode(spec) == "shoal" else None
+        router = None
+        if render.routing_mode(spec) == "shoal":
+            router = self._router(kube, body, fresh=scrape)
+        else:
+            self.pending.pop((ns, name), None)   # no router: nothing held (a switch back starts afresh)
 
         # 1b. The shared model cache: groups of this revision wait until it holds the model.
         cache = self._model_cache(kube, body, now) if render.uses_model_cache(spec) else None
