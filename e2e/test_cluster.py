@@ -1,5 +1,8 @@
 """The operator against a real cluster: install, serve, roll out a new revision, delete.
 
+Traffic goes through the Service NAME, which (routing.mode shoal, the default) is the
+Shoal router in front of the groups: the runtime image must have `shoal router`.
+
 Run: `make e2e` (or `.venv/bin/pytest -q e2e`) with KUBECONFIG pointing at a cluster
 that can pull (or was loaded with) the images. Knobs (environment):
 
@@ -64,6 +67,9 @@ def sample() -> dict:
     spec["replicas"] = 1
     spec["autoscaling"]["enabled"] = False          # a small cluster: one group, no autoscaler noise
     spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "3Gi"}}
+    # the router in front (routing.mode shoal): one small pod on a small cluster
+    spec["routing"] = {"mode": "shoal", "router": {"replicas": 1, "resources": {
+        "requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}}
     if os.environ.get("SHOAL_E2E_RUNTIME_IMAGE"):
         spec["image"] = os.environ["SHOAL_E2E_RUNTIME_IMAGE"]
         spec["podTemplate"] = {"imagePullPolicy": "IfNotPresent"}
@@ -93,22 +99,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def complete_through_service(kc: str) -> dict:
+def complete_through_service(kc: str, name: str = NAME, timeout: float = 120) -> dict:
+    """A completion through the Service `name` (the router's, in mode shoal)."""
     port = free_port()
-    pf = subprocess.Popen([kc, "-n", NS, "port-forward", f"svc/{NAME}", f"{port}:8000"],
+    pf = subprocess.Popen([kc, "-n", NS, "port-forward", f"svc/{name}", f"{port}:8000"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         def answered():
             try:
-                body = json.dumps({"model": NAME, "prompt": "The capital of France is", "max_tokens": 8,
+                body = json.dumps({"model": name, "prompt": "The capital of France is", "max_tokens": 8,
                                    "temperature": 0}).encode()
                 req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                              headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=60) as resp:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
                     return json.loads(resp.read())
             except OSError:
                 return None
-        return wait_for("a completion through the Service", answered, timeout=120, interval=2)
+        return wait_for("a completion through the Service", answered, timeout=timeout, interval=2)
     finally:
         pf.terminate()
         pf.wait(timeout=10)
@@ -126,8 +133,19 @@ def test_install_serve_rollout_delete(installed):
     assert len(stss["items"]) == 1
     assert stss["items"][0]["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
 
+    # Issue 20: the Service is the router's; the router finds the group through NAME-leaders.
+    svc = json.loads(kubectl(kc, "-n", NS, "get", "service", NAME, "-o", "json"))
+    assert svc["spec"]["selector"] == {"shoal.dev/router": NAME}
+    kubectl(kc, "-n", NS, "rollout", "status", f"deployment/{NAME}-router", "--timeout=300s", timeout=320)
+    leaders = json.loads(kubectl(kc, "-n", NS, "get", "endpoints", f"{NAME}-leaders", "-o", "json"))
+    assert sum(len(s.get("addresses") or []) for s in leaders.get("subsets") or []) == 1   # one ready leader
     out = complete_through_service(kc)
     assert out["choices"] and isinstance(out["choices"][0]["text"], str) and out["choices"][0]["text"]
+    router = wait_for("status.router", lambda: (infd(kc)["status"].get("router") or {}).get("readyReplicas"),
+                      timeout=60)
+    assert router == 1
+    rpod = json.loads(kubectl(kc, "-n", NS, "get", "pods", "-l", f"shoal.dev/router={NAME}", "-o", "json"))["items"][0]
+    assert rpod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
     # Issue 19: a Ready condition for `kubectl wait`, the serving URL, least-privilege pods and a
     # NetworkPolicy per group.
@@ -164,9 +182,10 @@ def test_install_serve_rollout_delete(installed):
     kubectl(kc, "-n", NS, "delete", "infd", NAME, "--wait=true", "--timeout=300s", timeout=320)
 
     def all_gone():
-        left = kubectl(kc, "-n", NS, "get", "statefulsets,pods,services,poddisruptionbudgets,networkpolicies",
-                       "-l", f"shoal.dev/deployment={NAME}", "-o", "name")
-        return not left.strip()
+        left = kubectl(kc, "-n", NS, "get", "statefulsets,deployments,pods,services,poddisruptionbudgets,"
+                       "networkpolicies", "-l", f"shoal.dev/deployment={NAME}", "-o", "name")
+        routers = kubectl(kc, "-n", NS, "get", "pods", "-l", f"shoal.dev/router={NAME}", "-o", "name")
+        return not left.strip() and not routers.strip()
     wait_for("the children to be garbage-collected", all_gone, timeout=300)
 
 
@@ -196,6 +215,9 @@ BAD = {
     "negative cacheSize": with_spec(model={"source": "hf://org/m", "cacheSize": "-1Gi"}),
     "pvc ..": with_spec(model={"source": "pvc://models/../../etc"}),
     "interval 0s": with_spec(monitoring={"interval": "0s"}),
+    "scale to zero without a router": with_spec(autoscaling={"enabled": True, "minReplicas": 0},
+                                                routing={"mode": "service"}),
+    "inferencePool without a picker": with_spec(routing={"mode": "inferencePool"}),
     "unknown field": with_spec(replicaz=3),
 }
 
@@ -261,3 +283,41 @@ def test_partition_stages_a_rollout(installed):
     o = json.loads(kubectl(kc, "-n", NS, "get", "infd", "canary", "-o", "json"))
     assert condition(o, "Progressing")["reason"] == "RolloutComplete"
     kubectl(kc, "-n", NS, "delete", "infd", "canary", "--wait=true", "--timeout=300s", timeout=320)
+
+
+# ---------------------------------------------------------------- issue 20
+
+def test_scale_to_zero_and_back_through_the_router(installed):
+    """minReplicas 0: idle, the groups go; a request held by the router brings one back and is answered."""
+    kc = installed
+    obj = with_spec("zero", replicas=1,
+                    autoscaling={"enabled": True, "minReplicas": 0, "maxReplicas": 1,
+                                 "scaleDownStabilizationSeconds": 30},
+                    routing={"mode": "shoal", "router": {"replicas": 1, "pendingTimeoutSeconds": int(TIMEOUT),
+                                                         "resources": {"requests": {"cpu": "100m"}}}})
+    kubectl(kc, "apply", "-f", "-", input=yaml.safe_dump(obj))
+
+    def zero():
+        o = json.loads(kubectl(kc, "-n", NS, "get", "infd", "zero", "-o", "json"))
+        st = o.get("status") or {}
+        stss = kubectl(kc, "-n", NS, "get", "statefulsets", "-l", "shoal.dev/deployment=zero", "-o", "name")
+        return st.get("desiredReplicas") == 0 and not stss.strip() and o
+    wait_for("scale to zero", zero)
+    kubectl(kc, "-n", NS, "rollout", "status", "deployment/zero-router", "--timeout=300s", timeout=320)
+    out = complete_through_service(kc, "zero", timeout=TIMEOUT)   # held, then answered by a new group
+    assert out["choices"] and out["choices"][0]["text"]
+    events = kubectl(kc, "-n", NS, "get", "events", "--field-selector", "involvedObject.name=zero", "-o", "json")
+    assert "ScaledUp" in {e.get("reason") for e in json.loads(events)["items"]}
+    kubectl(kc, "-n", NS, "delete", "infd", "zero", "--wait=true", "--timeout=300s", timeout=320)
+
+
+def test_routing_mode_service_serves_through_a_plain_service(installed):
+    kc = installed
+    kubectl(kc, "apply", "-f", "-", input=yaml.safe_dump(with_spec("plain", routing={"mode": "service"})))
+    kubectl(kc, "-n", NS, "wait", "--for=condition=Ready", "infd/plain", f"--timeout={int(TIMEOUT)}s",
+            timeout=TIMEOUT + 10)
+    svc = json.loads(kubectl(kc, "-n", NS, "get", "service", "plain", "-o", "json"))
+    assert svc["spec"]["selector"] == {"shoal.dev/deployment": "plain", "apps.kubernetes.io/pod-index": "0"}
+    assert not kubectl(kc, "-n", NS, "get", "deployments", "-l", "shoal.dev/deployment=plain", "-o", "name").strip()
+    assert complete_through_service(kc, "plain")["choices"]
+    kubectl(kc, "-n", NS, "delete", "infd", "plain", "--wait=true", "--timeout=300s", timeout=320)

@@ -12,7 +12,12 @@
   scale-down window, so brief spikes and dips do not flap the group count;
 - the window is seeded with the current count the first time a resource is seen (as
   HPA does), so a fresh resource is not scaled down before its scale-down window;
-- bounds: [minReplicas, maxReplicas].
+- bounds: [minReplicas, maxReplicas];
+- scale to zero (minReplicas 0, routing.mode shoal): `pending`, the requests the routers
+  hold, wakes a resource at 0 groups to 1 at once (no stabilization: requests wait), and
+  keeps the recommendation at 1 or more while any is held; 1 -> 0 is an ordinary
+  scale-down of a queue depth of 0, so it happens after `scaleDownStabilizationSeconds`
+  with no traffic.
 
 The state (recent recommendations, last scale time) is a plain dict kept in the
 resource's `status.autoscaler`, so it survives an operator restart.
@@ -65,9 +70,11 @@ def decide(
     loads: Sequence[float],
     config: Mapping[str, Any],
     state: Mapping[str, Any] | None = None,
+    pending: float = 0.0,
 ) -> Decision:
     """One autoscaler round. `current` is the desired count so far, `loads` one queue depth per ready group
-    that reported; the `current - len(loads)` others count as missing (see raw_recommendation)."""
+    that reported; the `current - len(loads)` others count as missing (see raw_recommendation).
+    `pending`: requests the routers hold for want of a ready group (scale from zero)."""
     lo, hi = int(config["minReplicas"]), int(config["maxReplicas"])
     up_window = float(config.get("scaleUpStabilizationSeconds", 0))
     down_window = float(config.get("scaleDownStabilizationSeconds", 300))
@@ -89,8 +96,17 @@ def decide(
         # a closed run's time is when it was replaced: it held until just before then
         return window > 0 and (r is open_run or r["time"] > now - window)
 
+    if current <= 0 and pending > 0 and hi > 0:
+        # Wake from zero now: the requests are waiting (the scale-up window is for load changes).
+        desired = max(1, lo)
+        recs = _advance(recs, open_run, desired, now)
+        return Decision(desired, desired, "up", f"{pending:g} request(s) held by the router, no group running",
+                        {**state, "recommendations": _encode(_expire(recs, recs[-1], now, horizon)),
+                         "lastDirection": "up", "lastScaleTime": rfc3339(now)})
     raw = raw_recommendation(current, loads, float(config["targetQueueDepth"]), tolerance,
                              missing=max(0, current - len(loads)))
+    if raw is not None and pending > 0:
+        raw = max(raw, 1)   # held requests need a group: never recommend zero under them
     if raw is None:
         bounded = max(lo, min(hi, current))
         direction = "hold" if bounded == current else ("up" if bounded > current else "down")

@@ -25,7 +25,7 @@ MAX_RERUNS = 2
 LONE_POD_SPREAD_SECONDS = 60
 A_RESTARTS = "shoal.dev/restarts"
 A_RESTARTED_AT = "shoal.dev/restarted-at"
-OPTIONAL_STATUS = ("autoscaler", "modelCache")  # present only while their feature is on
+OPTIONAL_STATUS = ("autoscaler", "modelCache", "router", "url")  # present only while their feature is on
 A_RESTART_TIMES = "shoal.dev/recent-restarts"   # epoch seconds within status.RESTART_WINDOW_SECONDS
 
 
@@ -146,6 +146,7 @@ class Controller:
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], dict[str, bool]] = {}
         self.loads: dict[tuple[str, str], dict[str, float]] = {}
+        self.pending: dict[tuple[str, str], float] = {}   # requests the routers hold, last scrape
         self.no_pod_patch: set[str] = set()   # namespaces where RBAC refuses pods/patch
         # (kind, ns, name, owner uid, owner name) -> spec hash
         self.applied: dict[tuple[str, str, str, str, str], str] = {}
@@ -192,6 +193,7 @@ class Controller:
             if (namespace, name) in self._running:
                 self._running[(namespace, name)]["forgotten"] = True
         self.loads.pop((namespace, name), None)
+        self.pending.pop((namespace, name), None)
         # Its children's applied hashes, by owner name (a name prefix would also hit `NAME2`'s).
         self.applied = {k: v for k, v in self.applied.items() if (k[1], k[4]) != (namespace, name)}
         metrics.forget(namespace, name)
@@ -230,14 +232,22 @@ class Controller:
 
         # 1. Objects shared by all groups.
         # Event-driven rounds trust what this process applied; timer rounds re-check the cluster.
-        for obj in render.shared_objects(body):
+        for obj in render.shared_objects(body, self.cluster_domain):
             self._apply(kube, obj, verify=scrape)
-        if scrape:
-            for api_version, kind, mname in render.monitor_objects_absent(body):
-                existing = self._get_quietly(kube, api_version, kind, ns, mname)
-                if existing is not None and owned_by(existing, uid):
-                    kube.delete(api_version, kind, ns, mname)
-                    self.applied.pop((kind, ns, mname, uid or "", name), None)
+        # Objects of a switched-off feature or another routing mode: timer rounds look in the
+        # cluster; other rounds delete at once what this process applied (a mode switch).
+        for api_version, kind, mname in render.monitor_objects_absent(body) + render.routing_objects_absent(body):
+            if not scrape and (kind, ns, mname, uid or "", name) not in self.applied:
+                continue
+            existing = self._get_quietly(kube, api_version, kind, ns, mname)
+            if existing is not None and owned_by(existing, uid) and not existing["metadata"].get("deletionTimestamp"):
+                kube.delete(api_version, kind, ns, mname)
+            self.applied.pop((kind, ns, mname, uid or "", name), None)
+        router = None
+        if render.routing_mode(spec) == "shoal":
+            router = self._router(kube, body, fresh=scrape)
+        else:
+            self.pending.pop((ns, name), None)   # no router: nothing held (a switch back starts afresh)
 
         # 1b. The shared model cache: groups of this revision wait until it holds the model.
         cache = self._model_cache(kube, body, now) if render.uses_model_cache(spec) else None
@@ -266,7 +276,8 @@ class Controller:
             if scrape:
                 reporting = [loads[g.name] for g in groups if g.ready and not g.terminating and g.name in loads]
                 decision = autoscale.decide(now=now, current=desired, loads=reporting,
-                                            config=spec["autoscaling"], state=auto_state)
+                                            config=spec["autoscaling"], state=auto_state,
+                                            pending=(router or {}).get("pendingRequests", 0.0))
                 metrics.autoscaler_decision(ns, name, decision.direction)
                 if decision.replicas != desired:
                     self.events(body, "Normal", "ScaledUp" if decision.direction == "up" else "ScaledDown",
@@ -302,7 +313,9 @@ class Controller:
         new_status = status.build(body=body, groups=groups, group_details=details, revision=revision,
                                   desired=desired, selector=render.selector(name), failing=failing,
                                   autoscaler=auto_state, now=now, model_cache=cache,
-                                  url=render.serving_url(name, ns, self.cluster_domain))
+                                  url=None if render.routing_mode(spec) == "inferencePool"
+                                  else render.serving_url(name, ns, self.cluster_domain),
+                                  router=router)
         self._write_status(kube, body, new_status)
         metrics.set_groups(ns, name, desired, new_status["readyReplicas"])
         return new_status
@@ -501,6 +514,26 @@ class Controller:
             except Exception as e:  # a leader that does not answer simply does not report
                 log.debug("scrape %s failed: %s", url, e)
         return out
+
+    def _router(self, kube: Kube, body: dict[str, Any], fresh: bool) -> dict[str, Any]:
+        """The router Deployment's ready pods and (timer rounds) the requests its pods hold."""
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        dep = self._get_quietly(kube, "apps/v1", "Deployment", ns, render.router_name(name)) or {}
+        key = (ns, name)
+        if fresh:
+            total = 0.0
+            for pod in self._list_quietly(kube, "v1", "Pod", ns, render.router_selector_labels(name)):
+                url = scrape.metrics_url(pod) if pod_ready(pod) else None
+                if not url:
+                    continue
+                try:
+                    total += scrape.pending_requests(self.fetch(url))
+                except Exception as e:  # a router that does not answer holds nothing we can see
+                    log.debug("scrape %s failed: %s", url, e)
+            self.pending[key] = total
+        return {"readyReplicas": int((dep.get("status") or {}).get("readyReplicas") or 0),
+                "replicas": int(body["spec"]["routing"]["router"]["replicas"]),
+                "pendingRequests": self.pending.get(key, 0.0)}
 
     def _write_status(self, kube: Kube, body: dict[str, Any], new: dict[str, Any]) -> None:
         old = body.get("status") or {}

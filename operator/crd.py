@@ -108,6 +108,19 @@ RULE_ROLLOUT = {
     "rule": "self.maxSurge > 0 || self.maxUnavailable > 0",
     "message": "rollout.maxSurge and rollout.maxUnavailable cannot both be 0",
 }
+# spec.routing: scaling to zero needs a router in front to hold requests while no group runs.
+RULE_SCALE_TO_ZERO = {
+    "rule": "!has(self.autoscaling) || !has(self.autoscaling.minReplicas) || self.autoscaling.minReplicas > 0 "
+            "|| !has(self.routing) || !has(self.routing.mode) || self.routing.mode == 'shoal'",
+    "message": "autoscaling.minReplicas 0 needs routing.mode shoal (the Shoal router holds requests while "
+               "no group runs; a plain Service or an InferencePool would refuse them)",
+}
+RULE_ENDPOINT_PICKER = {
+    "rule": "!has(self.mode) || self.mode != 'inferencePool' || (has(self.inferencePool) && has(self.inferencePool.endpointPicker))",
+    "message": "routing.mode inferencePool needs routing.inferencePool.endpointPicker (the InferencePool's "
+               "endpointPickerRef is required)",
+}
+ROUTING_MODES = ("shoal", "service", "inferencePool")
 RULE_BATCH = {
     "rule": "self.maxNumBatchedTokens >= self.maxNumSeqs",
     "message": "engine.maxNumBatchedTokens must be >= engine.maxNumSeqs",
@@ -244,7 +257,7 @@ def spec_schema() -> dict[str, Any]:
         "x-kubernetes-validations": [RULE_MIN_MAX],
         "properties": {
             "enabled": {"type": "boolean", "default": False},
-            "minReplicas": _int(1, 1, MAX_REPLICAS),
+            "minReplicas": _int(1, 0, MAX_REPLICAS, "0 (scale to zero) needs routing.mode shoal"),
             "maxReplicas": _int(8, 1, MAX_REPLICAS),
             "targetQueueDepth": _int(32, 1, 1000000, "requests in flight per group to aim for"),
             "scaleUpStabilizationSeconds": _int(0, 0, 3600),
@@ -296,6 +309,62 @@ def spec_schema() -> dict[str, Any]:
             "labels": {**_STRING_MAP, "description": "extra labels on the monitors (e.g. release: prometheus)"},
         },
     }
+    routing = {
+        "type": "object",
+        "default": {},
+        "description": "What stands in front of the groups (the Service NAME clients call).",
+        "x-kubernetes-validations": [RULE_ENDPOINT_PICKER],
+        "properties": {
+            "mode": {"type": "string", "default": "shoal", "enum": list(ROUTING_MODES),
+                     "description": "shoal: a Shoal router (prefix- and load-aware; holds requests while scaled "
+                                    "to zero); service: a plain Service over the group leaders; inferencePool: "
+                                    "an InferencePool (inference.networking.k8s.io/v1) for the Gateway API "
+                                    "inference extension"},
+            "router": {
+                "type": "object",
+                "default": {},
+                "description": "mode shoal: the router Deployment NAME-router",
+                "properties": {
+                    "replicas": _int(2, 1, 64, "router pods"),
+                    "resources": {
+                        "type": "object",
+                        "description": "per router pod",
+                        "properties": {
+                            "requests": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},
+                            "limits": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},
+                        },
+                    },
+                    "prefixWeight": {"type": "number", "minimum": 0,
+                                     "description": "weight of the prefix-cache match in the choice of a group "
+                                                    "(the router's default when unset)"},
+                    "loadWeight": {"type": "number", "minimum": 0,
+                                   "description": "weight of a group's load (the router's default when unset)"},
+                    "sessionHeader": {"type": "string", "maxLength": 256,
+                                      "description": "requests with the same value of this header go to the same "
+                                                     "group"},
+                    "maxPending": _int(256, 0, 1000000, "requests the router holds while no group is ready"),
+                    "pendingTimeoutSeconds": _int(60, 1, 3600, "how long a held request waits for a group"),
+                },
+            },
+            "inferencePool": {
+                "type": "object",
+                "description": "mode inferencePool",
+                "properties": {
+                    "endpointPicker": {
+                        "type": "object",
+                        "description": "the endpoint picker extension's Service (endpointPickerRef)",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string", "maxLength": 253},
+                            "port": _int(9002, 1, 65535, "its gRPC port"),
+                            "failureMode": {"type": "string", "default": "FailClose",
+                                            "enum": ["FailOpen", "FailClose"]},
+                        },
+                    },
+                },
+            },
+        },
+    }
     pod_template = {
         "type": "object",
         "default": {},
@@ -325,7 +394,7 @@ def spec_schema() -> dict[str, Any]:
     return {
         "type": "object",
         "required": ["model"],
-        "x-kubernetes-validations": [RULE_ACCELERATORS],
+        "x-kubernetes-validations": [RULE_ACCELERATORS, RULE_SCALE_TO_ZERO],
         "properties": {
             "model": model,
             "replicas": _int(1, 0, MAX_REPLICAS, "pod groups (when autoscaling is off)"),
@@ -338,6 +407,7 @@ def spec_schema() -> dict[str, Any]:
             "rollout": rollout,
             "monitoring": monitoring,
             "placement": placement,
+            "routing": routing,
             "restartPolicy": {"type": "string", "default": "RecreateGroupOnPodRestart",
                               "enum": ["RecreateGroupOnPodRestart", "None"],
                               "description": "RecreateGroupOnPodRestart: a failed pod or restarted container "
@@ -376,7 +446,17 @@ def status_schema() -> dict[str, Any]:
             "queueDepth": {"type": "integer"},
             "revision": {"type": "string"},
             "model": {"type": "string"},
-            "url": {"type": "string", "description": "the traffic Service's URL (OpenAI API under /v1)"},
+            "url": {"type": "string", "description": "the traffic Service's URL (OpenAI API under /v1); "
+                                                     "absent with routing.mode inferencePool (the Gateway's)"},
+            "router": {
+                "type": "object",
+                "description": "routing.mode shoal: the router pods",
+                "properties": {
+                    "readyReplicas": {"type": "integer"},
+                    "pendingRequests": {"type": "integer",
+                                        "description": "requests the routers hold (no group ready yet)"},
+                },
+            },
             "groups": {
                 "type": "array",
                 "items": {

@@ -26,6 +26,8 @@ PLURALS = {
     "Pod": "pods",
     "Event": "events",
     "StatefulSet": "statefulsets",
+    "Deployment": "deployments",
+    "InferencePool": "inferencepools",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
     "PersistentVolumeClaim": "persistentvolumeclaims",

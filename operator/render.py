@@ -7,7 +7,12 @@ One InferenceDeployment `NAME` owns:
   revision and new groups); pod `-0` is the leader;
 - `NAME-headless`: a headless Service over all pods, publishing not-ready addresses so
   that workers find their leader (`SHOAL_LEADER_ADDR`) before the group is ready;
-- `NAME`: the traffic Service over the ready leaders (pod index 0), port 8000;
+- what stands in front of the groups, by `spec.routing.mode` (routing_objects):
+  `shoal` (default): a router Deployment `NAME-router`, the traffic Service `NAME` over
+  the router pods, a headless Service `NAME-leaders` over the ready leaders (what the
+  router resolves), a PodDisruptionBudget `NAME-router`; `service`: the traffic Service
+  `NAME` over the ready leaders (pod index 0), port 8000; `inferencePool`: an
+  InferencePool `NAME` over the leaders and the headless `NAME-leaders`;
 - `NAME`: a PodDisruptionBudget (one pod, so one group, at a time);
 - per group: a NetworkPolicy `NAME-REV-IDX`: only the group's pods reach its pods but
   for the HTTP port, and with Volcano gang scheduling a PodGroup `NAME-REV-IDX` (both
@@ -49,6 +54,8 @@ L_REVISION = "shoal.dev/revision"
 L_ROLE = "shoal.dev/role"
 L_INDEX = "shoal.dev/group-index"
 L_POD_INDEX = "apps.kubernetes.io/pod-index"
+L_ROUTER = "shoal.dev/router"      # router pods carry this, not shoal.dev/deployment (see router_labels)
+L_SERVICE = "shoal.dev/service"
 A_SPEC_HASH = "shoal.dev/spec-hash"
 A_MODEL_REVISION = "shoal.dev/model-revision"
 L_KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
@@ -78,6 +85,18 @@ def leader_addr(name: str, namespace: str, group: str, cluster_domain: str = "cl
 def serving_url(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
     """Where clients reach the model: the traffic Service (OpenAI-compatible API under /v1)."""
     return f"http://{name}.{namespace}.svc.{cluster_domain}:{HTTP_PORT}"
+
+
+def routing_mode(spec: dict[str, Any]) -> str:
+    return (spec.get("routing") or {}).get("mode", "shoal")
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def leaders_name(name: str) -> str:
+    return f"{name}-leaders"
 
 
 def common_labels(name: str) -> dict[str, str]:
@@ -628,7 +647,7 @@ def headless_service(body: dict[str, Any]) -> dict[str, Any]:
     return _stamp({
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(body, headless_name(name), {"shoal.dev/service": "headless"}),
+        "metadata": _meta(body, headless_name(name), {L_SERVICE: "headless"}),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -642,14 +661,16 @@ def headless_service(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def traffic_service(body: dict[str, Any]) -> dict[str, Any]:
+    """`NAME`, what clients call: the router pods (mode shoal) or the ready leaders (mode service)."""
     name = body["metadata"]["name"]
+    shoal = routing_mode(body["spec"]) == "shoal"
     return _stamp({
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(body, name, {"shoal.dev/service": "traffic"}),
+        "metadata": _meta(body, name, {L_SERVICE: "traffic"}),
         "spec": {
             "type": "ClusterIP",
-            "selector": leader_selector_labels(name),
+            "selector": router_selector_labels(name) if shoal else leader_selector_labels(name),
             "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     })
@@ -686,7 +707,8 @@ def service_monitor(body: dict[str, Any]) -> dict[str, Any]:
         "kind": "ServiceMonitor",
         "metadata": _meta(body, name, dict(mon.get("labels") or {})),
         "spec": {
-            "selector": {"matchLabels": {L_DEPLOYMENT: name, "shoal.dev/service": "traffic"}},
+            # the Service over the leaders: `NAME` itself only where it selects them (mode service)
+            "selector": {"matchLabels": {L_DEPLOYMENT: name, L_SERVICE: leader_service_label(body["spec"])}},
             "namespaceSelector": {"matchNames": [body["metadata"].get("namespace") or "default"]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": mon["interval"],
                            "relabelings": _relabelings()}],
@@ -712,9 +734,263 @@ def pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
     })
 
 
-def shared_objects(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The objects that do not depend on groups (Services, PDB, monitors)."""
-    objs = [headless_service(body), traffic_service(body), pod_disruption_budget(body)]
+# ---------------------------------------------------------------- routing (spec.routing)
+
+ROUTER_STARTUP_SECONDS = 600    # loading a tokenizer (after the init container fetched it)
+ROUTER_FILES_SIZE = "1Gi"
+# The router needs the model's config and tokenizer, not its weights: for hf:// it fetches
+# only these (a separate script: FETCH_SCRIPT is part of the groups' revision hash).
+ROUTER_FILE_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+ROUTER_FETCH_SCRIPT = (
+    "import os\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
+    " revision=os.environ['SHOAL_MODEL_REVISION'],"
+    " local_dir=os.environ['SHOAL_MODEL_DIR'],"
+    f" allow_patterns={ROUTER_FILE_PATTERNS!r})\n"
+)
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+# Every routing object any mode renders: (apiVersion, kind, name suffix); a mode switch
+# deletes those the new mode does not render (routing_objects_absent).
+ROUTING_KINDS = (
+    ("apps/v1", "Deployment", "-router"),
+    ("v1", "Service", ""),
+    ("v1", "Service", "-leaders"),
+    ("policy/v1", "PodDisruptionBudget", "-router"),
+    ("monitoring.coreos.com/v1", "PodMonitor", "-router"),
+    (INFERENCE_POOL_API, "InferencePool", ""),
+)
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    return {L_ROUTER: name}
+
+
+def router_labels(name: str) -> dict[str, str]:
+    """The router pods' labels. Not `shoal.dev/deployment`: that label selects the groups' pods
+    (the headless Service, the groups' PodDisruptionBudget and spread constraints, the
+    operator's pod watch), and a pod under two PodDisruptionBudgets cannot be evicted."""
+    labels = {k: v for k, v in common_labels(name).items() if k != L_DEPLOYMENT}
+    return {**labels, "app.kubernetes.io/component": "router", **router_selector_labels(name)}
+
+
+def leader_service_label(spec: dict[str, Any]) -> str:
+    """`shoal.dev/service` of the Service over the leaders (what the ServiceMonitor selects)."""
+    return "traffic" if routing_mode(spec) == "service" else "leaders"
+
+
+def _number(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def router_args(body: dict[str, Any], model_arg: str, cluster_domain: str = "cluster.local") -> list[str]:
+    spec, name = body["spec"], body["metadata"]["name"]
+    namespace = body["metadata"].get("namespace") or "default"
+    router = spec["routing"]["router"]
+    args = [
+        "router",
+        # the headless Service's A records: one per ready leader, so one per ready group
+        "--backends-from-dns", f"{leaders_name(name)}.{namespace}.svc.{cluster_domain}:{HTTP_PORT}",
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--model", model_arg,
+        "--served-model-name", spec["model"].get("servedName") or name,
+        "--max-pending", str(router["maxPending"]),
+        "--pending-timeout", str(router["pendingTimeoutSeconds"]),
+    ]
+    for key, flag in (("prefixWeight", "--prefix-weight"), ("loadWeight", "--load-weight"),
+                      ("sessionHeader", "--session-header")):
+        if router.get(key) is not None:   # unset: the router's own default
+            args += [flag, _number(router[key])]
+    return args
+
+
+def router_model_plan(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    """What the router pod gets of the model: the groups' plan, but for hf:// only the config
+    and tokenizer files, fetched into its own emptyDir (never the weights, never the shared
+    cache, which may not be filled yet or mountable on the router's node)."""
+    source = spec["model"]["source"]
+    if not source.startswith("hf://"):
+        return model_plan(spec, name)   # builtin:// and file:// are in the image; pvc:// is mounted
+    repo = source[len("hf://"):]
+    target = posixpath.join(MODEL_MOUNT, repo)
+    return {
+        "arg": target,
+        "volumes": [{"name": "model-cache", "emptyDir": {"sizeLimit": ROUTER_FILES_SIZE}}],
+        "mounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT, "readOnly": True}],
+        "init": [{
+            "name": "fetch-tokenizer",
+            "command": ["python3", "-c", ROUTER_FETCH_SCRIPT],
+            "env": _fetch_env(spec["model"], repo, target),
+            "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT}],
+        }],
+    }
+
+
+def router_deployment(body: dict[str, Any], cluster_domain: str = "cluster.local") -> dict[str, Any]:
+    """`NAME-router`: the Shoal router pods (`shoal router`, same image as the groups)."""
+    name, spec = body["metadata"]["name"], body["spec"]
+    router = spec["routing"]["router"]
+    user = spec.get("podTemplate") or {}
+    model = router_model_plan(spec, name)
+    security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                "runAsNonRoot": True, "readOnlyRootFilesystem": True}
+    resources = {part: dict(router["resources"][part])
+                 for part in ("requests", "limits") if (router.get("resources") or {}).get(part)}
+    writable = [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS]
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": defaults.image_for(spec),
+        "command": ["shoal"],
+        "args": router_args(body, model["arg"], cluster_domain),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "resources": resources,
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
+                         "periodSeconds": 5, "failureThreshold": ROUTER_STARTUP_SECONDS // 5, "timeoutSeconds": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                          "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"},
+                           "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "volumeMounts": writable + model["mounts"],
+        "securityContext": security,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if user.get("imagePullPolicy"):
+        container["imagePullPolicy"] = user["imagePullPolicy"]
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": v, "emptyDir": {"sizeLimit": WRITABLE_DIR_SIZE}} for v, _ in WRITABLE_DIRS]
+                   + model["volumes"],
+        # It finds the groups through DNS, not the Kubernetes API: no token.
+        "automountServiceAccountToken": False,
+        # a held request may wait pendingTimeoutSeconds before it is answered
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + router["pendingTimeoutSeconds"] + GRACE_MARGIN_SECONDS,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "enableServiceLinks": False,
+        "topologySpreadConstraints": [{
+            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": router_selector_labels(name)}}],
+    }
+    if model["init"]:
+        pod_spec["initContainers"] = [
+            {**ic, "volumeMounts": list(ic["volumeMounts"]) + writable, "image": container["image"],
+             "securityContext": security, "resources": {}} for ic in model["init"]]
+    # The same image as the groups, so the same pull secrets; not their placement (GPU nodes).
+    for key in ("imagePullSecrets", "priorityClassName"):
+        if user.get(key):
+            pod_spec[key] = copy.deepcopy(user[key])
+    template = {"metadata": {"labels": router_labels(name), "annotations": scrape_annotations(spec)},
+                "spec": pod_spec}
+    if not template["metadata"]["annotations"]:
+        del template["metadata"]["annotations"]
+    return _stamp({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(body, router_name(name), {"app.kubernetes.io/component": "router"}),
+        "spec": {
+            "replicas": router["replicas"],
+            "selector": {"matchLabels": router_selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": template,
+        },
+    })
+
+
+def leaders_service(body: dict[str, Any]) -> dict[str, Any]:
+    """`NAME-leaders`: headless, over the *ready* leaders (one per ready group): the router
+    resolves its A records to find the groups; the ServiceMonitor scrapes through it."""
+    name = body["metadata"]["name"]
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(body, leaders_name(name), {L_SERVICE: "leaders"}),
+        "spec": {
+            "clusterIP": "None",
+            "selector": leader_selector_labels(name),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def router_disruption_budget(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return _stamp({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(body, router_name(name), {"app.kubernetes.io/component": "router"}),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": router_selector_labels(name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    })
+
+
+def router_pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    mon = body["spec"]["monitoring"]
+    return _stamp({
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta(body, router_name(name), dict(mon.get("labels") or {})),
+        "spec": {
+            "selector": {"matchLabels": router_selector_labels(name)},
+            "namespaceSelector": {"matchNames": [body["metadata"].get("namespace") or "default"]},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": mon["interval"],
+                                     "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_label_shoal_dev_router"],
+                                                      "targetLabel": "inference_deployment"}]}],
+        },
+    })
+
+
+def inference_pool(body: dict[str, Any]) -> dict[str, Any]:
+    """`NAME`: an InferencePool (Gateway API inference extension, v1) over the group leaders;
+    the leaders export vLLM's metric names, which its endpoint picker reads."""
+    name = body["metadata"]["name"]
+    picker = body["spec"]["routing"]["inferencePool"]["endpointPicker"]
+    return _stamp({
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _meta(body, name),
+        "spec": {
+            "selector": {"matchLabels": leader_selector_labels(name)},
+            "targetPorts": [{"number": HTTP_PORT}],
+            "endpointPickerRef": {"kind": "Service", "name": picker["name"],
+                                  "port": {"number": picker["port"]}, "failureMode": picker["failureMode"]},
+        },
+    })
+
+
+def routing_objects(body: dict[str, Any], cluster_domain: str = "cluster.local") -> list[dict[str, Any]]:
+    """What stands in front of the groups, by spec.routing.mode."""
+    spec = body["spec"]
+    mode = routing_mode(spec)
+    if mode == "service":
+        return [traffic_service(body)]
+    if mode == "inferencePool":
+        return [leaders_service(body), inference_pool(body)]
+    objs = [router_deployment(body, cluster_domain), traffic_service(body), leaders_service(body),
+            router_disruption_budget(body)]
+    if spec["monitoring"]["serviceMonitor"]:
+        objs.append(router_pod_monitor(body))
+    return objs
+
+
+def routing_objects_absent(body: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the routing objects the current mode does not render
+    (those of another mode, after a switch; the router's PodMonitor with monitoring off)."""
+    name = body["metadata"]["name"]
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in routing_objects(body)}
+    return [(api, kind, name + suffix) for api, kind, suffix in ROUTING_KINDS
+            if (kind, name + suffix) not in wanted]
+
+
+def shared_objects(body: dict[str, Any], cluster_domain: str = "cluster.local") -> list[dict[str, Any]]:
+    """The objects that do not depend on groups (Services, PDB, routing, monitors)."""
+    objs = [headless_service(body), pod_disruption_budget(body)] + routing_objects(body, cluster_domain)
     if uses_model_cache(body["spec"]):
         objs.append(model_cache_pvc(body))
     if body["spec"]["monitoring"]["serviceMonitor"]:
@@ -750,4 +1026,4 @@ def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> l
     for i in range(desired_replicas(body)):
         groups += group_companions(body, revision, i) + [group_statefulset(body, revision, i, cluster_domain)]
     fetch = [model_fetch_job(body)] if uses_model_cache(body["spec"]) else []
-    return shared_objects(body) + fetch + groups
+    return shared_objects(body, cluster_domain) + fetch + groups

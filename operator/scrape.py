@@ -1,5 +1,6 @@
 """Reading a group leader's queue depth from its Prometheus metrics (docs/design.md: a
-group's queue depth is shoal_num_requests_running + shoal_num_requests_waiting)."""
+group's queue depth is shoal_num_requests_running + shoal_num_requests_waiting), and the
+requests a Shoal router holds while no group is ready (shoal_router_pending_requests)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def queue_depth(text: str) -> float:
             if sample.name in ("shoal_num_requests_running", "shoal_num_requests_waiting"):
                 total += float(sample.value)
     return total
+
+
+ROUTER_PENDING = "shoal_router_pending_requests"
+
+
+def pending_requests(text: str) -> float:
+    """Requests a router holds, waiting for a group (shoal_router_pending_requests, all series)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(float(sample.value) for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == ROUTER_PENDING)
 
 
 def metrics_url(pod: dict[str, Any]) -> str | None:

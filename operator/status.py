@@ -10,6 +10,9 @@
   desired group ready on the current revision), so `kubectl wait --for=condition=Ready`
   and kstatus-based tools (Flux `wait: true`) wait for the rollout; reasons AllGroupsReady,
   else Progressing's reason, or MinimumGroupsUnavailable.
+- with a Shoal router in front (routing.mode shoal), `Ready` also needs a ready router
+  pod (reason RouterUnavailable otherwise): it is what clients call; `status.router`
+  says how many are ready and how many requests they hold.
 - a spec the operator refuses (validate.py): `Ready`, `Degraded` and `Progressing` say
   InvalidSpec with the problems, `Available` and the rest stay as they were (no child
   is touched, so groups that serve keep serving).
@@ -92,7 +95,9 @@ def build(
     now: float,
     url: str | None = None,
     model_cache: Mapping[str, Any] | None = None,
+    router: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`router`: mode shoal only, {readyReplicas, replicas, pendingRequests} of the router pods."""
     spec = body["spec"]
     prev = body.get("status") or {}
     generation = body["metadata"].get("generation")
@@ -158,7 +163,10 @@ def build(
         condition("Progressing", prog[0], prog[1], prog[2], generation, previous, now),
         condition("Degraded", deg[0], deg[1], deg[2], generation, previous, now),
     ]
-    if available and complete:
+    router_down = router is not None and int(router.get("readyReplicas") or 0) < 1
+    if router_down:
+        rdy = (False, "RouterUnavailable", f"0 of {int(router.get('replicas') or 0)} router pod(s) ready")
+    elif available and complete:
         rdy = (True, "AllGroupsReady", f"{desired} group(s) ready on revision {revision}")
     elif not available:
         rdy = (False, "MinimumGroupsUnavailable", conditions[0]["message"])
@@ -200,6 +208,9 @@ def build(
         status["autoscaler"] = dict(autoscaler)
     if model_cache is not None:
         status["modelCache"] = dict(model_cache)
+    if router is not None:
+        status["router"] = {"readyReplicas": int(router.get("readyReplicas") or 0),
+                            "pendingRequests": int(round(float(router.get("pendingRequests") or 0)))}
     return status
 
 

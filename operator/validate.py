@@ -63,6 +63,17 @@ def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[
     for e in tpl.get("env") or []:
         if str(e.get("name", "")).startswith(crd.RESERVED_ENV_PREFIX):
             out.append(f"podTemplate.env {e.get('name')}: " + crd.RULE_ENV["message"])
+    routing = spec.get("routing") or {}
+    mode = routing.get("mode", "shoal")
+    if (spec.get("autoscaling") or {}).get("minReplicas", 1) == 0 and mode != "shoal":
+        out.append(crd.RULE_SCALE_TO_ZERO["message"])
+    if mode == "inferencePool" and not (routing.get("inferencePool") or {}).get("endpointPicker"):
+        out.append(crd.RULE_ENDPOINT_PICKER["message"])
+    router_res = (routing.get("router") or {}).get("resources") or {}
+    for part in ("limits", "requests"):
+        for key, value in (router_res.get(part) or {}).items():
+            if _NEGATIVE.match(str(value)):
+                out.append(f"routing.router.resources.{part}[{key}] is negative")
     interval = spec["monitoring"].get("interval", "15s")
     if not re.match(r"^0*[1-9][0-9]*(ms|s|m|h)$", str(interval)):
         out.append(f"monitoring.interval {interval!r} must be a duration > 0")

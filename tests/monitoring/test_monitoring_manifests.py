@@ -119,7 +119,7 @@ LEADER = {
 
 def test_scrape_configs_relabel_runtime_leaders(promtool, tmp_path):
     jobs = scrape_jobs()
-    assert set(jobs) == {"shoal-runtime", "shoal-operator"}
+    assert set(jobs) == {"shoal-runtime", "shoal-router", "shoal-operator"}
     assert jobs["shoal-operator"].get("honor_labels") is True
     unannotated = {k: v for k, v in LEADER.items() if "annotation" not in k}
     runtime = static_scrape_job(jobs["shoal-runtime"], [("10.1.2.3:9999", LEADER), ("10.1.2.4:8000", unannotated)])
@@ -150,3 +150,48 @@ def test_scrape_config_labels_are_the_ones_rules_aggregate_by():
                  for rc in j.get("relabel_configs", []) if "target_label" in rc}
     target_labels = {"namespace", "inference_deployment", "group"}
     assert target_labels <= by and target_labels <= relabeled
+
+
+ROUTER = {
+    "__meta_kubernetes_pod_annotation_prometheus_io_scrape": "true",
+    "__meta_kubernetes_pod_annotation_prometheus_io_port": "8000",
+    "__meta_kubernetes_pod_annotation_prometheus_io_path": "/metrics",
+    "__meta_kubernetes_namespace": "llm",
+    "__meta_kubernetes_pod_name": "chat-router-5d9f-x2",
+    "__meta_kubernetes_pod_label_shoal_dev_router": "chat",
+}
+
+
+def test_scrape_configs_split_routers_from_runtime_pods(promtool, tmp_path):
+    """Routing mode shoal: the router pods go to the shoal-router job (and only there), the
+    group pods to shoal-runtime; the labels come from the pod templates the operator renders."""
+    from shoal.operator import defaults, render
+
+    body = defaults.apply_defaults({"apiVersion": "shoal.dev/v1alpha1", "kind": "InferenceDeployment",
+                                    "metadata": {"name": "chat", "namespace": "llm"},
+                                    "spec": {"model": {"source": "builtin://smollm2-135m-instruct"}}})
+    tpl = render.router_deployment(body)["spec"]["template"]["metadata"]
+    sd = {f"__meta_kubernetes_pod_label_{k.replace('.', '_').replace('/', '_').replace('-', '_')}": v
+          for k, v in tpl["labels"].items()}
+    sd.update({f"__meta_kubernetes_pod_annotation_{k.replace('.', '_').replace('/', '_')}": v
+               for k, v in tpl["annotations"].items()})
+    assert {k: v for k, v in ROUTER.items() if "label" in k or "annotation" in k}.items() <= sd.items()
+    jobs = scrape_jobs()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump({"scrape_configs": [
+        static_scrape_job(jobs[name], [("10.1.2.5:9999", ROUTER), ("10.1.2.3:9999", LEADER)])
+        for name in ("shoal-router", "shoal-runtime")]}))
+    check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    kept = {}
+    for name in ("shoal-router", "shoal-runtime"):
+        out = subprocess.run([promtool, "check", "service-discovery", "--timeout=1s", str(config), name],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        kept[name] = [r["labels"] for r in json.loads(out.stdout[out.stdout.index("["):]) if r["labels"]]
+    (router,) = kept["shoal-router"]
+    assert router["__address__"] == "10.1.2.5:8000" and router["__metrics_path__"] == "/metrics"
+    assert {k: router[k] for k in ("namespace", "pod", "inference_deployment")} == {
+        "namespace": "llm", "pod": "chat-router-5d9f-x2", "inference_deployment": "chat"}
+    (runtime,) = kept["shoal-runtime"]
+    assert runtime["pod"] == "chat-0-0"

@@ -69,8 +69,9 @@ class FakeKube:
     def of_kind(self, kind):
         return {n: o for (k, _, n), o in self.objects.items() if k == kind}
 
-    def run_statefulsets(self, ready=True, ip="10.0.0.1"):
-        """Play the StatefulSet controller + kubelet: pods for every StatefulSet; drop orphaned pods."""
+    def run_statefulsets(self, ready=True, ip="10.0.0.1", router_pods=False):
+        """Play the StatefulSet controller + kubelet: pods for every StatefulSet; drop orphaned pods.
+        Routers: the Deployments' status, and their pods too with router_pods."""
         stss = self.of_kind("StatefulSet")
         for name, sts in stss.items():
             for i in range(sts["spec"]["replicas"]):
@@ -85,8 +86,25 @@ class FakeKube:
                           "status": {"phase": "Running", "podIP": ip,
                                      "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                                      "containerStatuses": [{"name": "shoal", "restartCount": 0}]}})
+        # The Deployment controller, for the routers: ready pods `<deployment>-<i>` and its status.
+        deps = self.of_kind("Deployment")
+        for name, dep in deps.items():
+            tpl = dep["spec"]["template"]
+            for i in range(dep["spec"]["replicas"] if router_pods else 0):
+                self.put({"apiVersion": "v1", "kind": "Pod",
+                          "metadata": {"name": f"{name}-{i}", "namespace": "default",
+                                       "labels": dict(tpl["metadata"]["labels"])},
+                          "spec": tpl["spec"],
+                          "status": {"phase": "Running", "podIP": ip,
+                                     "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
+            dep["status"] = {"replicas": dep["spec"]["replicas"], "readyReplicas": dep["spec"]["replicas"] if ready else 0}
         for name, pod in list(self.of_kind("Pod").items()):
-            if pod["metadata"]["labels"].get("shoal.dev/group") not in stss:
+            labels = pod["metadata"]["labels"]
+            if "shoal.dev/router" in labels:
+                gone = not any(d["spec"]["selector"]["matchLabels"].items() <= labels.items() for d in deps.values())
+            else:
+                gone = labels.get("shoal.dev/group") not in stss
+            if gone:
                 del self.objects[("Pod", "default", name)]
 
 

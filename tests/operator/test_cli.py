@@ -40,8 +40,11 @@ def test_render_prints_every_object(capsys, tmp_path):
     assert args.func(args) == 0
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "PodMonitor", "Service", "Service",
-                     "ServiceMonitor", "StatefulSet", "StatefulSet"]
+    # groups, their policies, PDB and monitors; the router (routing.mode shoal by default): its
+    # Deployment, PDB and PodMonitor, the traffic Service over it and the leaders' headless Service
+    assert kinds == ["Deployment", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget", "PodDisruptionBudget",
+                     "PodMonitor", "PodMonitor", "Service", "Service", "Service", "ServiceMonitor",
+                     "StatefulSet", "StatefulSet"]
     sts = [d for d in docs if d["kind"] == "StatefulSet"]
     assert all(s["spec"]["replicas"] == 2 for s in sts)
     assert sts[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2

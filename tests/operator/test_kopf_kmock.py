@@ -12,6 +12,7 @@ explicitly, the parts it lacks:
 - the StatefulSet controller and the kubelet: for every group StatefulSet it creates
   the pods from the template (with the pod-index label) and, a moment later, marks
   them Ready, with a pod IP, and keeps the StatefulSet's status.readyReplicas in step;
+- the Deployment controller, for the router: its status says every replica is ready;
 - the garbage collector: objects whose owner is gone are deleted (the test checks that
   every object the operator made has an ownerReference that lets the real one do it);
 - the runtime's /metrics: the leaders' scrapes are answered by a tiny in-test server.
@@ -37,12 +38,20 @@ IDF = "/apis/shoal.dev/v1alpha1/namespaces/default/inferencedeployments"
 STS = "/apis/apps/v1/namespaces/default/statefulsets"
 PODS = "/api/v1/namespaces/default/pods"
 NPS = "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies"
+DEPS = "/apis/apps/v1/namespaces/default/deployments"
+SVCS = "/api/v1/namespaces/default/services"
+PDBS = "/apis/policy/v1/namespaces/default/poddisruptionbudgets"
+POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools"
 RESOURCES = {
     "shoal.dev/v1alpha1/inferencedeployments": dict(kind="InferenceDeployment", namespaced=True,
                                                     subresources={"status", "scale"},
                                                     verbs={"get", "list", "watch", "patch", "create", "delete"}),
     "apps/v1/statefulsets": dict(kind="StatefulSet", namespaced=True,
                                  verbs={"get", "list", "watch", "patch", "create", "delete"}),
+    "apps/v1/deployments": dict(kind="Deployment", namespaced=True,
+                                verbs={"get", "list", "watch", "patch", "create", "delete"}),
+    "inference.networking.k8s.io/v1/inferencepools": dict(kind="InferencePool", namespaced=True,
+                                                          verbs={"get", "list", "patch", "create", "delete"}),
     "v1/pods": dict(kind="Pod", namespaced=True, verbs={"get", "list", "watch", "patch", "create", "delete"}),
     "v1/services": dict(kind="Service", namespaced=True, verbs={"get", "list", "patch", "create", "delete"}),
     "v1/events": dict(kind="Event", namespaced=True, verbs={"create", "list"}),
@@ -218,6 +227,12 @@ class ClusterPlayer:
             if {k_: (sts.get("status") or {}).get(k_) for k_ in want} != want:
                 async with k.patch(f"{STS}/{name}/status", json={"status": want}) as resp:
                     assert resp.status == 200
+        # Deployment controller (the router): every replica ready.
+        for dep in stored(k, "deployments"):
+            want = {"replicas": dep["spec"]["replicas"], "readyReplicas": dep["spec"]["replicas"]}
+            if {k_: (dep.get("status") or {}).get(k_) for k_ in want} != want:
+                async with k.patch(f"{DEPS}/{dep['metadata']['name']}/status", json={"status": want}) as resp:
+                    assert resp.status == 200
         # Garbage collector: pods whose StatefulSet is gone.
         for pod in pods:
             owner = pod["metadata"]["ownerReferences"][0]["name"]
@@ -379,8 +394,7 @@ async def test_apply_rollout_delete(cluster):
         await asyncio.sleep(1.0)  # a timer round: nothing must be recreated after deletion
         collected = await garbage_collect(k, {"uid-demo"})
         assert collected, "the operator's objects must be collectable through ownerReferences"
-        for path in (STS, PODS, "/api/v1/namespaces/default/services",
-                     "/apis/policy/v1/namespaces/default/poddisruptionbudgets", NPS):
+        for path in (STS, PODS, SVCS, PDBS, NPS, DEPS):
             left = [o["metadata"]["name"] for o in await items(k, path)
                     if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "demo"]
             assert left == [], (path, left)
@@ -388,8 +402,7 @@ async def test_apply_rollout_delete(cluster):
 
 async def garbage_collect(k: Any, dead_uids: set[str]) -> list[str]:
     """Plays the garbage collector: delete what an owner that is gone owned, transitively."""
-    paths = [STS, PODS, "/api/v1/namespaces/default/services", "/apis/policy/v1/namespaces/default/poddisruptionbudgets",
-             NPS]
+    paths = [STS, PODS, SVCS, PDBS, NPS, DEPS, POOLS]
     collected: list[str] = []
     changed = True
     while changed:
@@ -457,3 +470,101 @@ async def test_an_invalid_spec_is_reported_and_nothing_is_created(cluster):
         for path in (STS, NPS, "/api/v1/namespaces/default/services"):
             assert [o for o in await items(k, path)
                     if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "bad"] == [], path
+
+
+async def test_the_router_follows_the_resource(cluster):
+    """spec.routing through the real handlers: the router's objects are created with the resource,
+    updated with its spec, replaced on a mode switch and collected with it."""
+    k = cluster
+    player = ClusterPlayer(k)
+    async with operator_running():
+        async with k.post(IDF, json=idf(replicas=1)) as resp:
+            assert resp.status in (200, 201)
+
+        async def router_up():
+            dep = await get(k, f"{DEPS}/demo-router")
+            svc, leaders = await get(k, f"{SVCS}/demo"), await get(k, f"{SVCS}/demo-leaders")
+            pdb = await get(k, f"{PDBS}/demo-router")
+            return dep and svc and leaders and pdb and (dep, svc, leaders, pdb)
+        dep, svc, leaders, pdb = await eventually(router_up)
+        for obj in (dep, svc, leaders, pdb):
+            (ref,) = obj["metadata"]["ownerReferences"]
+            assert ref["uid"] == "uid-demo" and ref["controller"]
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= pod_labels.items()
+        assert leaders["spec"]["selector"] == render.leader_selector_labels("demo")
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[:3] == ["router", "--backends-from-dns", "demo-leaders.default.svc.cluster.local:8000"]
+        assert dep["spec"]["replicas"] == 2
+
+        play = asyncio.create_task(player.run())
+        try:
+            async def ready():
+                st = ((await get(k, f"{IDF}/demo")) or {}).get("status") or {}
+                return st.get("conditions") and cond(st, "Ready")["status"] == "True" and st
+            st = await eventually(ready, timeout=60)
+            assert st["router"]["readyReplicas"] == 2 and st["url"] == "http://demo.default.svc.cluster.local:8000"
+
+            # Updated with the spec: replicas and weights reach the Deployment.
+            patch = {"metadata": {"generation": 2},
+                     "spec": {"routing": {"router": {"replicas": 3, "prefixWeight": 0.25}}}}
+            async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                assert resp.status == 200
+
+            async def updated():
+                dep = await get(k, f"{DEPS}/demo-router")
+                args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+                return dep["spec"]["replicas"] == 3 and "--prefix-weight" in args and args
+            args = await eventually(updated, timeout=30)
+            assert args[args.index("--prefix-weight") + 1] == "0.25"
+
+            # Switched to a plain Service: the router's objects go, `demo` selects the leaders.
+            patch = {"metadata": {"generation": 3}, "spec": {"routing": {"mode": "service"}}}
+            async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                assert resp.status == 200
+
+            async def plain():
+                gone = [await get(k, p) for p in (f"{DEPS}/demo-router", f"{SVCS}/demo-leaders", f"{PDBS}/demo-router")]
+                # What the operator applied to `demo` last. (KMock merges an applied map where the API
+                # server replaces one with mapType atomic, as Service.spec.selector is: its stored
+                # selector keeps the router's key too, so the request is what tells.)
+                applied = [r.data for r in list(k) if r.method == "PATCH" and r.resource is not None
+                           and r.resource.plural == "services" and r.name == "demo" and isinstance(r.data, dict)]
+                return gone == [None, None, None] and applied \
+                    and applied[-1]["spec"]["selector"] == render.leader_selector_labels("demo")
+            await eventually(plain, timeout=30)
+
+            async def no_router_status():
+                st = ((await get(k, f"{IDF}/demo")) or {}).get("status") or {}
+                return st.get("observedGeneration") == 3 and "router" not in st
+            await eventually(no_router_status, timeout=30)
+
+            # Switched to an InferencePool: the pool over the leaders, no traffic Service.
+            patch = {"metadata": {"generation": 4}, "spec": {"routing": {
+                "mode": "inferencePool", "inferencePool": {"endpointPicker": {"name": "epp"}}}}}
+            async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                assert resp.status == 200
+
+            async def pooled():
+                pool = await get(k, f"{POOLS}/demo")
+                return pool and await get(k, f"{SVCS}/demo") is None and await get(k, f"{SVCS}/demo-leaders") \
+                    and pool
+            pool = await eventually(pooled, timeout=30)
+            assert pool["spec"]["selector"]["matchLabels"] == render.leader_selector_labels("demo")
+            assert pool["spec"]["endpointPickerRef"]["name"] == "epp"
+        finally:
+            player.stop = True
+            await play
+
+        async with k.delete(f"{IDF}/demo") as resp:
+            assert resp.status == 200
+
+        async def gone():
+            return await get(k, f"{IDF}/demo") is None
+        await eventually(gone)
+        await asyncio.sleep(1.0)
+        await garbage_collect(k, {"uid-demo"})
+        for path in (STS, SVCS, PDBS, DEPS, POOLS):
+            left = [o["metadata"]["name"] for o in await items(k, path)
+                    if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "demo"]
+            assert left == [], (path, left)

@@ -87,13 +87,20 @@ def test_namespaced_variant_has_no_cluster_wide_verbs():
 def enough_and_least(rules):
     plurals = {"StatefulSet": "statefulsets", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
                "ServiceMonitor": "servicemonitors", "PodMonitor": "podmonitors", "NetworkPolicy": "networkpolicies"}
-    plurals.update(PersistentVolumeClaim="persistentvolumeclaims", Job="jobs", PodGroup="podgroups")
-    for obj in render.render_all(make_body(monitoring={"serviceMonitor": True},
-                                           model={"source": "hf://org/m", "cache": {"enabled": True}},
-                                           placement={"gangScheduling": "Volcano"})):
+    plurals.update(PersistentVolumeClaim="persistentvolumeclaims", Job="jobs", PodGroup="podgroups",
+                   Deployment="deployments", InferencePool="inferencepools")
+    pool = {"mode": "inferencePool", "inferencePool": {"endpointPicker": {"name": "epp"}}}
+    objs = render.render_all(make_body(monitoring={"serviceMonitor": True},
+                                       model={"source": "hf://org/m", "cache": {"enabled": True}},
+                                       placement={"gangScheduling": "Volcano"}))
+    objs += render.render_all(make_body(routing=pool))
+    for obj in objs:
         group = obj["apiVersion"].rpartition("/")[0]
         for verb in ("get", "create", "patch"):  # server-side apply of a new object needs create
             assert allowed(rules, group, plurals[obj["kind"]], verb), (obj["kind"], verb)
+    # a routing.mode switch deletes the objects of the mode before
+    for api_version, kind, _ in render.ROUTING_KINDS:
+        assert allowed(rules, api_version.rpartition("/")[0], plurals[kind], "delete"), kind
     for group, resource, verb in [("shoal.dev", "inferencedeployments", "watch"),
                                   ("shoal.dev", "inferencedeployments/status", "patch"),
                                   ("shoal.dev", "inferencedeployments/finalizers", "update"),

@@ -154,8 +154,10 @@ def test_probes_security_and_leader_services(defaulted):
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    traffic = render.traffic_service(body)
+    traffic = render.traffic_service(defaulted(routing={"mode": "service"}))
     assert traffic["spec"]["selector"] == {"shoal.dev/deployment": "demo", "apps.kubernetes.io/pod-index": "0"}
+    assert render.traffic_service(body)["spec"]["selector"] == {"shoal.dev/router": "demo"}   # mode shoal
+    assert render.leaders_service(body)["spec"]["selector"] == traffic["spec"]["selector"]
     assert render.selector("demo") == "shoal.dev/deployment=demo,apps.kubernetes.io/pod-index=0"
     headless = render.headless_service(body)
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
@@ -195,7 +197,13 @@ def test_monitoring_modes():
     assert "prometheus.io/scrape" not in kinds["StatefulSet"]["spec"]["template"]["metadata"]["annotations"]
     sm, pm = kinds["ServiceMonitor"], kinds["PodMonitor"]
     assert sm["metadata"]["labels"]["release"] == "prom"
-    assert sm["spec"]["selector"]["matchLabels"] == {"shoal.dev/deployment": "demo", "shoal.dev/service": "traffic"}
+    # the leaders' Service: NAME-leaders in front of a router (mode shoal), NAME itself in mode service
+    assert sm["spec"]["selector"]["matchLabels"] == {"shoal.dev/deployment": "demo", "shoal.dev/service": "leaders"}
+    leaders = next(o for o in mon if o["kind"] == "Service" and o["metadata"]["name"] == "demo-leaders")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= leaders["metadata"]["labels"].items()
+    plain_svc = render.service_monitor(defaults.apply_defaults(make_body(routing={"mode": "service"},
+                                                                         monitoring={"serviceMonitor": True})))
+    assert plain_svc["spec"]["selector"]["matchLabels"]["shoal.dev/service"] == "traffic"
     assert pm["spec"]["selector"]["matchLabels"] == {"shoal.dev/deployment": "demo"}
     for m, eps in ((sm, "endpoints"), (pm, "podMetricsEndpoints")):
         targets = {r["targetLabel"]: r["sourceLabels"] for r in m["spec"][eps][0]["relabelings"]}
