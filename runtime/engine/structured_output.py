@@ -47,6 +47,28 @@ def spec_key(spec: StructuredOutputsParams) -> str:
     return json.dumps([kind, value, spec.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
 
 
+_SKIP = ("enum", "const", "default", "examples")  # values, not schemas
+
+
+def strict_strings(schema):
+    """A copy of a JSON schema in which each string with minLength/maxLength (and no pattern
+    or format) has them as a pattern instead. xgrammar compiles a bounded string to any
+    characters but quote, backslash, CR and LF, so raw control characters (invalid JSON, which
+    strict parsers refuse) could be sampled inside it; its pattern strings exclude them."""
+    if isinstance(schema, list):
+        return [strict_strings(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _SKIP else strict_strings(v) for k, v in schema.items()}
+    lo, hi = out.get("minLength", 0), out.get("maxLength")
+    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out) and "pattern" not in out and "format" not in out
+            and isinstance(lo, int) and (hi is None or isinstance(hi, int)) and 0 <= lo <= (hi if hi is not None else lo) <= 4096):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = '^[^\\x00-\\x1f"\\\\]{%d,%s}$' % (lo, "" if hi is None else hi)
+    return out
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF for exactly one of the strings (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
@@ -122,7 +144,7 @@ class StructuredOutputs:
                         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("the JSON schema must be a JSON object")
-                return compiler.compile_json_schema(json.dumps(schema), **ws)
+                return compiler.compile_json_schema(json.dumps(strict_strings(schema)), **ws)
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
