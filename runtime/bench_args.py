@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tp.add_argument("--workload-seed", type=int, default=0)
     tp.add_argument("--compare-hf", action="store_true", help="also run transformers' static batching in this run")
     tp.add_argument("--hf-batch-size", type=int, default=8, help="transformers' static batch (64 on a GPU, as PERFORMANCE.md)")
+    tp.add_argument("--structured", choices=["json"],
+                    help="also run the same requests under a JSON schema (structured outputs) in this run; prints both and the ratio")
     tp.add_argument("--json", help="write the results as JSON to this file")
     tp.set_defaults(func=_run("throughput"))
 

@@ -12,7 +12,7 @@ import torch
 from shoal.runtime.engine import bad_words
 from shoal.runtime.engine.request import Sequence
 from shoal.runtime.engine.scheduler import ScheduledBatch
-from shoal.runtime.engine.structured_output import fill_row, num_words
+from shoal.runtime.engine.structured_output import narrow_row, num_words
 from shoal.runtime.executor.model_runner import StepInput
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.sampler import SamplingMetadata
@@ -91,11 +91,16 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
     masked = [row for row, s in enumerate(seqs) if s.request.grammar is not None or s.request.allowed_mask is not None]
     if masked:  # grammar, allowed_token_ids, and those rows' bans: one packed bitmask (structured_output.py)
         m.token_bitmask = torch.full((len(seqs), num_words(vocab_size)), -1, dtype=torch.int32)
+        grammar_rows = [row for row in masked if seqs[row].request.grammar is not None]
+        for row in grammar_rows:
+            if seqs[row].matcher is None:
+                seqs[row].matcher = structured.matcher(seqs[row].request.grammar)
+        if grammar_rows:
+            structured.fill([seqs[row].matcher for row in grammar_rows], m.token_bitmask, grammar_rows)
         for row in masked:
-            s = seqs[row]
-            if s.request.grammar is not None and s.matcher is None:
-                s.matcher = structured.matcher(s.request.grammar)
-            fill_row(m.token_bitmask, row, s, vocab_size, bans.pop(row))
+            row_bans = bans.pop(row)
+            if row_bans or seqs[row].request.allowed_mask is not None:
+                narrow_row(m.token_bitmask, row, seqs[row], vocab_size, row_bans)
     banned = [(row, t) for row, ids in bans.items() for t in ids]
     if banned:
         m.banned_rows = _column([r for r, _ in banned], torch.long)
