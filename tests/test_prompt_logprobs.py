@@ -150,3 +150,11 @@ def test_the_lm_head_sees_at_most_a_slice_of_rows():
     assert torch.allclose(out[:, 0], ref.gather(1, rows.targets[:, None])[:, 0].double(), atol=1e-5)
     assert torch.equal(out[:, 1].long(), (ref >= ref.gather(1, rows.targets[:, None])).sum(-1))
     assert torch.equal(out[:, 5:].long(), ref.topk(3).indices)
+
+
+def test_an_executor_that_cannot_score_refuses_the_request(llm, monkeypatch):
+    """The tensor/pipeline-parallel executor scores no prompt rows: a clear error, not a silent None."""
+    monkeypatch.setattr(llm.engine.executor, "scores_prompts", False)
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor or pipeline parallelism"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert not llm.engine.has_unfinished_requests()
