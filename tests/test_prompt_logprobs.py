@@ -150,3 +150,28 @@ def test_the_lm_head_sees_at_most_a_slice_of_rows():
     assert torch.allclose(out[:, 0], ref.gather(1, rows.targets[:, None])[:, 0].double(), atol=1e-5)
     assert torch.equal(out[:, 1].long(), (ref >= ref.gather(1, rows.targets[:, None])).sum(-1))
     assert torch.equal(out[:, 5:].long(), ref.topk(3).indices)
+
+
+def test_an_executor_that_cannot_score_refuses_the_request(llm, monkeypatch):
+    """The tensor/pipeline-parallel executor scores no prompt rows: a clear error, not a silent None."""
+    monkeypatch.setattr(llm.engine.executor, "scores_prompts", False)
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor or pipeline parallelism"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_two_batches_in_flight_collect_the_scores_with_their_batch(tiny_dir, hf_tiny, monkeypatch):
+    """As on a GPU with --batches-in-flight 2: a step's scores are read when its batch is
+    collected, a step later, beside its sampled tokens."""
+    from shoal.runtime.executor.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "pipelined", property(lambda self: True))
+    llm = LLM(str(tiny_dir), kv_cache_memory=2**24, max_num_batched_tokens=32, batches_in_flight=2, dtype="float32")
+    try:
+        assert llm.engine.num_lanes == 2
+        prompts = [[300 + 5 * i + j for i in range(70)] for j in range(3)]
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)] * 3)
+        for ids, out in zip(prompts, outs):
+            check_against(reference(hf_tiny, ids), ids, out.prompt_logprobs, 2)
+    finally:
+        llm.engine.shutdown()

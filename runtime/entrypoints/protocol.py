@@ -300,12 +300,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description="with prompt_logprobs")
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+    token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class CompletionResponse(BaseModel):
@@ -342,6 +351,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -351,6 +361,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description="with prompt_logprobs")
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class ModelCard(BaseModel):

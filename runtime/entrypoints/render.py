@@ -73,6 +73,7 @@ class Renderer:
         self.include_usage = include_usage
         self.offsets: dict[int, int] = {}  # completions' text_offset, per streamed choice
         self.ids_sent: set[int] = set()  # streamed choices whose prompt_token_ids went out (return_token_ids)
+        self.prompt_sent: set[int] = set()  # streamed choices whose prompt part went out (Extras.prompt_part_waits)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict], offset: int) -> dict:
         if self.chat:
@@ -83,7 +84,6 @@ class Renderer:
     def body(self) -> dict:
         job, x = self.job, self.extras
         choices = []
-        usage = job.usage()
         for key in sorted(job.choices):
             c = job.choices[key]
             tag = key // job.n
@@ -103,13 +103,18 @@ class Renderer:
             if x is not None:
                 x.choice(choice, job.prompt_ids[tag], token_ids, job.prompt_logprobs.get(tag))
             choices.append(choice)
-        if x is not None and x.echo_only:
-            usage = dict(usage, completion_tokens=0, total_tokens=usage["prompt_tokens"])
         obj = "chat.completion" if self.chat else "text_completion"
-        body = {"id": job.http_id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices, "usage": usage}
+        body = {"id": job.http_id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices,
+                "usage": self._usage()}
         if x is not None:
             x.body(body, job.prompt_ids[0] if job.prompt_ids else [], job.prompt_logprobs.get(0))
         return body
+
+    def _usage(self) -> dict:
+        usage = self.job.usage()
+        if self.extras is not None and self.extras.echo_only:  # the token generated to get there is not counted
+            usage = dict(usage, completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        return usage
 
     # -- the stream -----------------------------------------------------------------------
     @property
@@ -117,8 +122,9 @@ class Renderer:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.job.http_id, "object": obj, "created": self.created, "model": self.state.model_name}
 
-    def _chunk(self, index: int, payload, logprobs=None, finish_reason=None, stop_reason=None, token_ids=None) -> str:
-        choice = {"index": index, ("delta" if self.chat else "text"): payload, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    def _chunk(self, index: int, payload, logprobs=None, finish_reason=None, stop_reason=None, token_ids=None, more=None) -> str:
+        choice = {"index": index, ("delta" if self.chat else "text"): payload, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                  **(more or {})}
         obj = dict(self._base, choices=[choice])
         if self.extras is not None and self.extras.return_token_ids:  # vLLM's: the prompt's ids once per choice
             choice["token_ids"] = token_ids or []
@@ -139,15 +145,37 @@ class Renderer:
         if self.chat:
             return "".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
         first = []
+        if self.extras is not None and self.extras.prompt_part_waits:
+            return ""  # each choice's prompt part goes with its first output (_prompt_part)
         for p, text in self.echo_text.items():
             for i in range(n):
                 self.offsets[p * n + i] = len(text)
                 first.append(self._chunk(p * n + i, text))
         return "".join(first)
 
+    def _prompt_part(self, index: int, d) -> str:
+        """Completions, streamed: a choice's first chunk when its prompt's scores are asked
+        for (they come with the request's first output): the echoed prompt with its
+        logprobs, prompt_logprobs; with max_tokens 0 the whole answer."""
+        x, job = self.extras, self.job
+        tag = index // job.n
+        text = self.echo_text.get(tag, "")
+        entries = job.prompt_logprobs.get(tag)
+        lp, self.offsets[index] = (x.echo_logprobs(self.state, job.prompt_ids[tag], entries) if x.k_echo is not None
+                                   else (None, len(text)))
+        more = {"prompt_logprobs": x.prompt_logprobs(entries)} if x.k_field is not None else None
+        finish = "length" if x.echo_only else None
+        return self._chunk(index, text, lp, finish, more=more)
+
     def _deltas(self, added) -> str:
         out = []
+        x = self.extras
         for index, d in added:
+            if x is not None and x.prompt_part_waits and index not in self.prompt_sent:
+                self.prompt_sent.add(index)
+                out.append(self._prompt_part(index, d))
+            if x is not None and x.echo_only:
+                continue  # the generated token is not part of the answer
             lp = None
             if self.k is not None and d.token_ids:
                 off = self.offsets.get(index, 0)
@@ -173,7 +201,7 @@ class Renderer:
             async for added in stream_items(self.job, early):
                 yield self._deltas(added)
             if self.include_usage:
-                yield sse(dict(self._base, choices=[], usage=self.job.usage()))
+                yield sse(dict(self._base, choices=[], usage=self._usage()))
             yield "data: [DONE]\n\n"
         except APIError as e:
             yield sse(error_body(e.message, e.type, e.param, e.code))

@@ -12,8 +12,9 @@
   return_tokens_as_token_ids   "token_id:123" for every token string of `logprobs`
 
 The engine scores a prompt when asked (SamplingParams.prompt_logprobs: the larger of the two
-k's, each part shows its own). A stream refuses prompt scores (they exist only once the
-prompt is computed, after the echoed prompt was sent) with a 400.
+k's, each part shows its own). A streamed completion sends each choice's prompt part (the
+echo, its logprobs, prompt_logprobs) in the choice's first chunk, once the request's first
+output brought the scores; a streamed chat completion refuses prompt_logprobs (400).
 """
 
 from __future__ import annotations
@@ -43,15 +44,20 @@ class Extras:
     def _check(self, req, max_model_len: int) -> None:
         if not self.chat and req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens 0 needs echo: true (the prompt and its logprobs, nothing generated)", param="max_tokens")
-        if req.stream and (self.k_engine is not None or self.echo_only):
-            what = "max_tokens 0" if self.echo_only else "prompt_logprobs" if self.k_field is not None else "echo with logprobs"
-            raise APIError(400, f"{what} is not supported with stream: true (ask without streaming)",
-                           param="max_tokens" if self.echo_only else "prompt_logprobs" if self.k_field is not None else "echo")
+        if req.stream and self.chat and self.k_field is not None:
+            raise APIError(400, "prompt_logprobs is not supported on a streamed chat completion (ask without streaming)",
+                           param="prompt_logprobs")
         t = req.truncate_prompt_tokens
         if t == 0:
             raise APIError(400, "truncate_prompt_tokens must be -1 (max_model_len) or at least 1", param="truncate_prompt_tokens")
         if t is not None and t > max_model_len:
             raise APIError(400, f"truncate_prompt_tokens {t} is larger than max_model_len {max_model_len}", param="truncate_prompt_tokens")
+
+    @property
+    def prompt_part_waits(self) -> bool:
+        """Completions, streamed: whether a choice's first chunk (the echo) waits for the
+        prompt's scores, which come with the request's first output."""
+        return not self.chat and (self.k_engine is not None or self.echo_only)
 
     def check_logprobs_limit(self, limit: int) -> None:
         if self.k_field is not None and self.k_field > limit:

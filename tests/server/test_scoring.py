@@ -163,10 +163,36 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tok):
     assert whole.usage.prompt_tokens == len(LONG)  # -1: max_model_len, more than the prompt
 
 
+def test_a_stream_sends_the_prompt_part_first(client):
+    """Streamed, each choice's first chunk holds the echo with its logprobs and
+    prompt_logprobs (once the prompt is scored); the rest is what the body holds."""
+    kw = dict(model="tiny", prompt=[LONG[:80], LONG[:30]], max_tokens=3, n=2, echo=True, logprobs=1, temperature=0,
+              extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    body = client.completions.create(**kw)
+    per_choice = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            per_choice.setdefault(c.index, []).append(c)
+    assert sorted(per_choice) == [c.index for c in body.choices] == [0, 1, 2, 3]
+    for want in body.choices:
+        got = per_choice[want.index]
+        assert "".join(c.text for c in got) == want.text
+        assert got[0].model_extra["prompt_logprobs"] == want.model_extra["prompt_logprobs"]
+        assert all(c.model_extra.get("prompt_logprobs") is None for c in got[1:])
+        streamed = {name: [v for c in got if c.logprobs for v in getattr(c.logprobs, name)]
+                    for name in ("tokens", "token_logprobs", "text_offset")}
+        assert streamed["tokens"] == want.logprobs.tokens and streamed["text_offset"] == want.logprobs.text_offset
+        assert streamed["token_logprobs"] == pytest.approx(want.logprobs.token_logprobs, abs=1e-5)
+        assert got[-1].finish_reason == want.finish_reason
+    # max_tokens 0: one chunk per choice, the prompt alone
+    only = list(client.completions.create(model="tiny", prompt=LONG[:40], max_tokens=0, echo=True, logprobs=0, stream=True,
+                                          stream_options={"include_usage": True}))
+    texts = [c for ch in only for c in ch.choices]
+    assert len(texts) == 1 and texts[0].finish_reason == "length" and len(texts[0].logprobs.tokens) == 40
+    assert only[-1].usage.completion_tokens == 0 and only[-1].usage.prompt_tokens == 40
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "Hi", "max_tokens": 2, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"prompt": "Hi", "max_tokens": 2, "stream": True, "echo": True, "logprobs": 1}, "echo"),
-    ({"prompt": "Hi", "max_tokens": 0, "stream": True, "echo": True}, "max_tokens"),
     ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "Hi", "max_tokens": 1, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "Hi", "max_tokens": 1, "truncate_prompt_tokens": 1025}, "truncate_prompt_tokens"),
