@@ -21,7 +21,7 @@ UNBOUNDED_ABOVE = {"top_k": "values at or above the vocabulary size mean off"}
 # an in-range value may still be refused for a reason that depends on the rest of the body
 ALLOWED_400 = {"max_tokens": ("context length", "max_tokens 0 needs echo"), "max_completion_tokens": "context length",
                "min_tokens": "min_tokens", "priority": "--scheduling-policy priority", "best_of": "best_of",
-               "stop_token_ids": "vocabulary", "prompt": "vocabulary",
+               "stop_token_ids": "vocabulary", "prompt": "vocabulary", "allowed_token_ids": "vocabulary",
                "truncate_prompt_tokens": ("-1 (max_model_len) or at least 1", "larger than max_model_len")}
 
 
