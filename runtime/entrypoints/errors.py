@@ -34,7 +34,7 @@ def dumps(obj: Any) -> str:
     return s
 
 
-PROBE_PATHS = ("/health", "/ready", "/metrics")
+PROBE_PATHS = ("/health", "/ready", "/metrics", "/kv/blocks")  # polled: access lines at DEBUG
 
 
 def request_id_of(scope) -> str:
