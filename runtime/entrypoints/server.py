@@ -159,12 +159,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/kv/blocks")
     async def kv_blocks(since: int = 0, epoch: str | None = None):
         """Block hashes that became findable / were evicted since event `since` of `epoch`
-        (reset: true and the whole set when the log no longer reaches back, or the epoch differs)."""
+        (reset: true and the whole set when the log no longer reaches back, or the epoch differs),
+        with /ready's answer and the load, so one poll tells a router all it weighs."""
         pool = getattr(state.engine.engine, "pool", None) if state.engine.ready else None
         if pool is None:
             raise unavailable("the model is still loading", "model_loading")
-        return json_response({"block_size": state.config.block_size, "prefix_caching": pool.enable_prefix_caching,
-                              **pool.changes_since(since, epoch)})
+        stats = state.engine.stats
+        load = {"running": stats.num_running if stats else 0, "waiting": state.engine.num_waiting,
+                "kv_cache_usage": stats.kv_cache_usage if stats else 0.0}
+        return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
+                              "prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch)})
 
     return app
 
