@@ -33,7 +33,7 @@ def start_group(model_dir: Path, port: int | None = None, wait: bool = True) -> 
     return s
 
 
-def start_router(backends: list[str], *extra: str) -> Server:
+def start_router(backends: list[str], *extra: str, wait: bool = True) -> Server:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="shoal-router-", suffix=".log")[1])
     env = dict(os.environ, SHOAL_ACCESS_LOG="0", PYTHONUNBUFFERED="1")
@@ -43,13 +43,19 @@ def start_router(backends: list[str], *extra: str) -> Server:
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     s = Server(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + 120
+    if wait:
+        wait_router(s)
+    return s
+
+
+def wait_router(s: Server, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"shoal router exited with {proc.returncode}:\n{s.log()[-3000:]}")
+        if s.proc.poll() is not None:
+            raise RuntimeError(f"shoal router exited with {s.proc.returncode}:\n{s.log()[-3000:]}")
         try:
             if httpx.get(s.base_url + "/health", timeout=2).status_code == 200:
-                return s
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.1)

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from router_helpers import backends_state, start_group, start_router, wait_for
+from router_helpers import backends_state, start_group, start_router, wait_for, wait_router
 from server_helpers import wait_until_ready
 
 SYSTEM = ("You are the harbour master's assistant. Answer questions about tides, moorings, fuel, "
@@ -31,23 +31,34 @@ def model_dir(tmp_path_factory, builtin_dir):
 
 
 @pytest.fixture(scope="module")
-def groups(model_dir):
-    started = [start_group(model_dir, wait=False) for _ in range(3)]  # all three load at once
+def cluster(model_dir):
+    """Three groups and the router, all started at once (the router polls groups still loading)."""
+    groups = [start_group(model_dir, wait=False) for _ in range(3)]
+    router = start_router([g.base_url for g in groups], "--tokenizer", str(model_dir), "--pending-timeout", "120", wait=False)
     try:
-        for g in started:
+        for g in groups:
             wait_until_ready(g)
-        yield started
+        wait_router(router)
+        wait_for(lambda: all(b["ready"] for b in backends_state(router).values()), what="every backend ready at the router")
+        yield groups, router
     finally:
-        for g in started:
+        rc = router.stop()
+        for g in groups:
+            if g.proc.poll() is None:
+                g.proc.send_signal(signal.SIGTERM)  # all drain at once
+        for g in groups:
             g.stop()
+    assert rc == 0, router.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def router(groups, model_dir):
-    r = start_router([g.base_url for g in groups], "--tokenizer", str(model_dir), "--pending-timeout", "120")
-    wait_for(lambda: all(b["ready"] for b in backends_state(r).values()), what="every backend ready at the router")
-    yield r
-    assert r.stop() == 0, r.log()[-3000:]
+def groups(cluster):
+    return cluster[0]
+
+
+@pytest.fixture(scope="module")
+def router(cluster):
+    return cluster[1]
 
 
 def chat(base_url: str, user: str, system: str = SYSTEM, max_tokens: int = 4, **extra) -> httpx.Response:
@@ -137,7 +148,7 @@ def test_a_group_killed_mid_run_loses_no_request_that_had_not_started(router, gr
     n = 12
 
     def one(i):
-        body = {"model": "m", "prompt": f"Request {i}: " + "tide " * (20 + i), "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        body = {"model": "m", "prompt": f"Request {i}: " + "tide " * (20 + i), "max_tokens": 32, "temperature": 0, "ignore_eos": True}
         return httpx.post(router.base_url + "/v1/completions", json=body, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
@@ -146,7 +157,7 @@ def test_a_group_killed_mid_run_loses_no_request_that_had_not_started(router, gr
         victim.proc.send_signal(signal.SIGKILL)
         results = [f.result() for f in futures]
     assert [r.status_code for r in results] == [200] * n, [r.text[:200] for r in results if r.status_code != 200]
-    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in results)
+    assert all(r.json()["usage"]["completion_tokens"] == 32 for r in results)
     assert victim.base_url not in {r.headers["x-shoal-backend"] for r in results}
     assert metric(router.base_url, "shoal_router_retries_total") >= 1
     wait_for(lambda: not backends_state(router)[victim.base_url]["ready"], what="the victim marked down")
