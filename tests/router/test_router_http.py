@@ -104,6 +104,8 @@ def test_servers_publish_the_hashes_the_router_computes(groups, model_dir):
     again = httpx.get(g.base_url + "/kv/blocks", params={"since": delta["seq"], "epoch": delta["epoch"]}, timeout=30).json()
     assert again["stored"] == [] and again["seq"] == delta["seq"]
     assert httpx.get(g.base_url + "/kv/blocks", params={"since": 0, "epoch": "another"}, timeout=30).json()["reset"]
+    bad = httpx.get(g.base_url + "/kv/blocks", params={"since": "soon"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
 
 
 def test_requests_sharing_a_prefix_go_to_the_group_that_holds_it(router, groups):
