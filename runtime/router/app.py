@@ -183,7 +183,7 @@ class Router:
             if hashes and resp.status_code == 200:
                 b.expect(hashes)
             done = True
-            return StreamingResponse(_relay(b, resp, head, chunks), resp.status_code, headers=_pass_headers(resp.headers, b))
+            return _Relay(b, resp, head, chunks, _pass_headers(resp.headers, b))
         except httpx.TransportError as e:
             self.backends.mark_down(b, f"{type(e).__name__}: {e}" if isinstance(e, httpx.ConnectError)
                                     else f"failed before the first byte: {type(e).__name__}")
@@ -195,15 +195,34 @@ class Router:
                     await resp.aclose()
 
 
-async def _relay(b: Backend, resp: httpx.Response, head: bytes, chunks):
-    try:
-        if head:
-            yield head
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        b.in_flight -= 1
-        await resp.aclose()
+class _Relay(StreamingResponse):
+    """The backend's response, passed through as it comes; the backend's request slot and
+    connection are given back once, however the relay ends (done, client gone, never sent)."""
+
+    def __init__(self, b: Backend, resp: httpx.Response, head: bytes, chunks, headers: dict):
+        self._backend, self._resp, self._released = b, resp, False
+        super().__init__(self._body(head, chunks), resp.status_code, headers=headers)
+
+    async def _body(self, head: bytes, chunks):
+        try:
+            if head:
+                yield head
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._backend.in_flight -= 1
+            await self._resp.aclose()
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
 
 
 def _pass_headers(h: httpx.Headers, b: Backend) -> dict:

@@ -129,6 +129,8 @@ def test_requests_sharing_a_prefix_go_to_the_group_that_holds_it(router, groups)
     # the other groups saw none of these
     others = [g.base_url for g in groups if g.base_url != home]
     assert all(metric(o, "shoal_prefix_cache_hits_total") < 100 for o in others)
+    # every relayed response gave its backend slot back, once
+    wait_for(lambda: all(b["in_flight"] == 0 for b in backends_state(router).values()), timeout=10, what="no request in flight")
 
 
 def test_plain_endpoints_pass_through(router):
