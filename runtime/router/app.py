@@ -100,6 +100,7 @@ class Router:
 
     # -- one request -------------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
+        t0 = time.perf_counter()
         body = await request.body()
         if len(body) > self.max_body_bytes:
             return error_response(413, f"request body larger than {self.max_body_bytes} bytes", code="request_too_large")
@@ -113,9 +114,9 @@ class Router:
         if rid and not any(k.lower() == "x-request-id" for k, _ in headers):
             headers.append(("x-request-id", rid))
         target = path + (f"?{request.url.query}" if request.url.query else "")
-        return await self._send(request.method, target, headers, body, hashes, session)
+        return await self._send(request.method, target, headers, body, hashes, session, t0)
 
-    async def _send(self, method, target, headers, body, hashes, session) -> Response:
+    async def _send(self, method, target, headers, body, hashes, session, t0: float) -> Response:
         deadline = time.monotonic() + self.pending_timeout
         refused: set[str] = set()  # backends that answered 503 to this request
         last_refusal: Response | None = None
@@ -133,6 +134,7 @@ class Router:
             b = order[0]
             if first:
                 self.metrics.picks.labels(why).inc()
+                self.metrics.overhead.observe(time.perf_counter() - t0)
                 first = False
             else:
                 self.metrics.retries.inc()

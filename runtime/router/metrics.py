@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PICK_REASONS = ("prefix", "load", "affinity", "round_robin")
 
@@ -21,6 +21,8 @@ class RouterMetrics:
         self.score = Gauge("shoal_router_backend_score", "The backend's score in the latest pick", ["backend"], registry=r)
         self.blocks = Gauge("shoal_router_backend_blocks", "Prefix-cache blocks the backend holds (its latest poll)", ["backend"], registry=r)
         self.ready = Gauge("shoal_router_backend_ready", "1 when the backend's latest poll said ready", ["backend"], registry=r)
+        self.overhead = Histogram("shoal_router_overhead_seconds", "The router's own time before a request goes out: body, tokenize, hash, pick",
+                                  buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
         self.load = Gauge("shoal_router_backend_load", "The picker's load term of the backend, 0 to 1", ["backend"], registry=r)
 
     def backend_polled(self, b, load: float) -> None:

@@ -143,7 +143,8 @@ def test_plain_endpoints_pass_through(router):
     assert httpx.get(router.base_url + "/nope", timeout=30).status_code == 404
     text = httpx.get(router.base_url + "/metrics", timeout=30).text
     for name in ("shoal_router_picks_total", "shoal_router_retries_total", "shoal_router_pending_requests",
-                 "shoal_router_backend_score", "shoal_router_backend_blocks", "shoal_router_rejected_total"):
+                 "shoal_router_backend_score", "shoal_router_backend_blocks", "shoal_router_rejected_total",
+                 "shoal_router_overhead_seconds_count"):
         assert name in text, name
 
 
