@@ -57,6 +57,7 @@ class Router:
         self._rr = itertools.count()
         self.client: httpx.AsyncClient | None = None
         backends.on_change = lambda b: self.metrics.backend_polled(b, picker.load(b.view()))
+        backends.on_forget = self.metrics.forget
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)

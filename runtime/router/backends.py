@@ -83,7 +83,8 @@ class Backends:
         self._tasks: dict[str, asyncio.Task] = {}
         self._dns_task: asyncio.Task | None = None
         self.any_ready = asyncio.Event()
-        self.on_change = None  # called after every poll (metrics)
+        self.on_change = None  # called with the backend after every poll (metrics)
+        self.on_forget = None  # called with the name of a backend gone from DNS
         for url in urls:
             self.by_url[url.rstrip("/")] = Backend(url)
 
@@ -206,6 +207,8 @@ class Backends:
                 task = self._tasks.pop(url, None)
                 if task is not None:
                     task.cancel()
+                if self.on_forget is not None:
+                    self.on_forget(url)
         for url in sorted(want - set(self.by_url)):
             logger.info("backend %s found", url)
             b = self.by_url[url] = Backend(url)
