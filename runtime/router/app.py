@@ -17,7 +17,6 @@ turn ready; past the bound, 503 + Retry-After.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import itertools
