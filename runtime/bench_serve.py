@@ -5,6 +5,7 @@
     shoal bench serve --sweep 0.5,1,2,4 --plot latency.png
     shoal bench serve --endpoint /v1/chat/completions --goodput ttft:500 tpot:50 --plot one-rate.png
     shoal bench serve --compare-offline --workload public --engine-args '--max-num-seqs 64'   # HTTP overhead
+    shoal bench serve --compare-router --workload multi-tenant --engine-args 'MODEL --kv-cache-memory 64MiB'
 
 Requests arrive as a Poisson process at --request-rate (inf: all at once) or are held at
 --max-concurrency in flight. Lengths are ShareGPT-like: prompt and output lengths drawn
@@ -24,6 +25,14 @@ against the rate with --sweep, and each latency's distribution (CDF) for a singl
 at once) and then through a `shoal serve` subprocess with the same engine flags (all
 requests at once), and reports server throughput / offline throughput. The goal
 (PERFORMANCE.md) is an overhead under 10%.
+
+`compare_router` starts --groups `shoal serve` groups and two `shoal router`s in front of them
+(--policy prefix and --policy round-robin), sends the same multi-tenant workload through
+each (fresh prefixes for each: same shapes, other token ids), and reports the prefix-cache
+hit rate (the groups' shoal_prefix_cache_hits / queries over the run) and TTFT p50 / p99 of
+both; then, one request at a time, TTFT straight to a group against through the router
+(the router's added latency). Issue 20's targets: >= 2x the hit rate and >= 1.5x lower
+median TTFT than round-robin, <= 2 ms added median TTFT.
 
 Import is cheap (no torch); httpx and numpy load on use.
 """
@@ -400,6 +409,135 @@ def http_overhead(items: list[Item], engine_args: list[str], engine_kwargs: dict
     return report
 
 
+# ------------------------------------------------------------------------------ router vs round-robin
+def _start(cmd: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, SHOAL_ACCESS_LOG="0")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _prefix_counts(urls: list[str]) -> tuple[float, float]:
+    """(hits, queries) of the prefix cache, summed over the groups."""
+    import httpx
+
+    from shoal.runtime.metrics import metric_value
+
+    hits = queries = 0.0
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        hits += metric_value(text, "shoal_prefix_cache_hits_total") or 0.0
+        queries += metric_value(text, "shoal_prefix_cache_queries_total") or 0.0
+    return hits, queries
+
+
+def _wait_router(base_url: str, proc: subprocess.Popen, backends: int, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"shoal router exited with {proc.returncode}")
+        try:
+            r = httpx.get(base_url + "/ready", timeout=5)
+            if r.status_code == 200 and r.json().get("backends_ready") == backends:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"shoal router not ready with {backends} backends after {timeout:.0f}s")
+
+
+def _router_overhead_ms(router: str) -> float:
+    """Mean of shoal_router_overhead_seconds over the router's life (body, tokenize, hash, pick)."""
+    import httpx
+
+    from shoal.runtime.metrics import metric_value
+
+    text = httpx.get(router + "/metrics", timeout=30).text
+    total, count = metric_value(text, "shoal_router_overhead_seconds_sum"), metric_value(text, "shoal_router_overhead_seconds_count")
+    return 1000 * total / count if count else float("nan")
+
+
+async def _direct_vs_router(direct: str, router: str, n: int, seed: int) -> dict:
+    """Median TTFT of one request at a time, alternating straight to a group and through the
+    router, the same prompts both ways (so the same first token, with the same model): 16
+    tokens, too short for a reusable block, so neither gains from the other's cache."""
+    import httpx
+    import numpy as np
+
+    a = b = sharegpt_like(n, seed + 11, (16, 16), (4, 4))
+    ttft: dict[str, list[float]] = {"direct": [], "via_router": []}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30)) as client:
+        model = (await client.get(direct + "/v1/models")).json()["data"][0]["id"]
+        for x, y in zip(a, b):
+            for name, url, item in (("direct", direct, x), ("via_router", router, y)):
+                r = await _one(client, url + "/v1/completions", model, item, {})
+                if r.ok:
+                    ttft[name].append(r.ttft)
+    out = {k: float(np.median(v)) if v else None for k, v in ttft.items()}
+    out["added_ms"] = 1000 * (out["via_router"] - out["direct"]) if None not in out.values() else None
+    return out
+
+
+def compare_router(make_items, engine_args: list[str], *, groups: int = 3, router_args: list[str] = (), request_rate: float = math.inf,
+                   max_concurrency: int | None = None, low_load_prompts: int = 20, seed: int = 0, startup_timeout: float = 900) -> dict:
+    """`make_items(salt)` -> the workload; see the module docstring. Returns the report."""
+    model = _engine_kwargs(engine_args).get("model")
+    group_urls, procs = [], []
+    try:
+        for _ in range(groups):
+            port = _free_port()
+            group_urls.append(f"http://127.0.0.1:{port}")
+            procs.append(_start([sys.executable, "-m", "shoal.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 "--disable-log-stats", *engine_args]))
+        routers = {}
+        for policy in ("round-robin", "prefix"):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "shoal.runtime.cli", "router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                   *(["--model", model] if model else []), *router_args]
+            for url in group_urls:
+                cmd += ["--backend", url]
+            routers[policy] = (f"http://127.0.0.1:{port}", _start(cmd))
+            procs.append(routers[policy][1])
+        for url, proc in zip(group_urls, procs):
+            _wait_ready(url, proc, startup_timeout)
+        for url, proc in routers.values():
+            _wait_router(url, proc, groups, startup_timeout)
+        report: dict = {"groups": groups}
+        for name, policy, salt in (("round_robin", "round-robin", 1), ("router", "prefix", 2)):
+            h0, q0 = _prefix_counts(group_urls)
+            s = asyncio.run(run_load(routers[policy][0], make_items(salt), request_rate=request_rate, max_concurrency=max_concurrency, seed=seed))
+            h1, q1 = _prefix_counts(group_urls)
+            s.pop("samples", None)
+            report[name] = {"hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0, "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
+                            "failed": s["failed"], "summary": s}
+            print(f"{name:12s} prefix-cache hit rate {report[name]['hit_rate']:.3f}  TTFT p50 {1000 * (s['ttft_s']['p50'] or 0):.1f} ms  "
+                  f"p99 {1000 * (s['ttft_s']['p99'] or 0):.1f} ms  ({s['completed']} ok, {s['failed']} failed, {s['duration_s']:.1f} s)", flush=True)
+        rr, rt = report["round_robin"], report["router"]
+        report["hit_rate_ratio"] = rt["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else math.inf
+        report["ttft_p50_speedup"] = (rr["ttft_p50_s"] / rt["ttft_p50_s"]) if rt["ttft_p50_s"] else None
+        low = asyncio.run(_direct_vs_router(group_urls[0], routers["prefix"][0], low_load_prompts, seed))
+        low["router_own_mean_ms"] = _router_overhead_ms(routers["prefix"][0])
+        report["low_load_ttft_p50_s"] = low
+        print(f"hit rate router / round-robin {report['hit_rate_ratio']:.2f}x (target >= 2x); median TTFT round-robin / router "
+              f"{report['ttft_p50_speedup'] or 0:.2f}x (target >= 1.5x); low load: median TTFT direct {1000 * low['direct']:.1f} ms, "
+              f"via router {1000 * low['via_router']:.1f} ms, added {low['added_ms']:.1f} ms (target <= 2 ms); the router's own time "
+              f"before sending a request: {low['router_own_mean_ms']:.2f} ms mean", flush=True)
+        return report
+    finally:
+        _stop(procs)
+
+
 # ------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to load (not with --compare-offline)")
@@ -412,14 +550,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--input-len", default="16:1024", help="MIN:MAX prompt tokens (log-uniform)")
     parser.add_argument("--output-len", default="16:512", help="MIN:MAX output tokens (log-uniform)")
-    parser.add_argument("--workload", choices=["sharegpt", "public"], default="sharegpt", help="public: PERFORMANCE.md's 32-request workload")
+    parser.add_argument("--workload", choices=["sharegpt", "public", "multi-tenant"], default="sharegpt",
+                        help="public: PERFORMANCE.md's 32-request workload; multi-tenant: --tenants x --conversations x --turns requests")
+    mt = parser.add_argument_group("multi-tenant workload")
+    mt.add_argument("--tenants", type=int, default=8, help="tenants, each with its own system prompt")
+    mt.add_argument("--conversations", type=int, default=2, help="conversations per tenant")
+    mt.add_argument("--turns", type=int, default=3, help="turns per conversation (each repeats the previous ones)")
+    mt.add_argument("--system-len", type=int, default=256, help="tokens of each tenant's system prompt")
+    mt.add_argument("--turn-len", default="32:64", help="MIN:MAX tokens of each user message")
+    mt.add_argument("--answer-len", type=int, default=16, help="tokens generated per turn (and repeated in the next)")
+    parser.add_argument("--compare-router", action="store_true",
+                        help="start --groups `shoal serve` groups (--engine-args) and `shoal router` --policy prefix and round-robin; compare")
+    parser.add_argument("--groups", type=int, default=3, help="with --compare-router: how many groups")
+    parser.add_argument("--router-args", default="", help="with --compare-router: more `shoal router` flags, one string")
+    parser.add_argument("--low-load-prompts", type=int, default=20, help="with --compare-router: requests of the direct vs router TTFT check")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="PNG: latency against request rate (with --sweep), or its distribution (one rate)")
     parser.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"], help="the API to load")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS (as vLLM's)")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--compare-offline", action="store_true", help="measure HTTP overhead: offline LLM vs a `shoal serve` subprocess")
-    parser.add_argument("--engine-args", default="", help="with --compare-offline: engine flags for both, one string (e.g. '--max-num-seqs 64')")
+    parser.add_argument("--engine-args", default="", help="with --compare-offline / --compare-router: engine flags, one string (e.g. '--max-num-seqs 64')")
     parser.set_defaults(func=run)
 
 
@@ -428,7 +579,12 @@ def _range(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-def workload_from_args(args) -> list[Item]:
+def workload_from_args(args, salt: int = 0) -> list[Item]:
+    if args.workload == "multi-tenant":
+        from shoal.runtime import workloads
+
+        return workloads.multi_tenant(args.tenants, args.conversations, args.turns, args.system_len, _range(args.turn_len),
+                                      args.answer_len, args.seed, salt)
     if args.workload == "public":
         return public_workload(args.num_prompts if args.num_prompts != 100 else 32, args.seed)
     return sharegpt_like(args.num_prompts, args.seed, _range(args.input_len), _range(args.output_len))
@@ -445,6 +601,16 @@ def _engine_kwargs(engine_args: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare_router:
+        import shlex
+
+        report = compare_router(lambda salt: workload_from_args(args, salt), shlex.split(args.engine_args or ""), groups=args.groups,
+                                router_args=shlex.split(args.router_args or ""), request_rate=args.request_rate,
+                                max_concurrency=args.max_concurrency, low_load_prompts=args.low_load_prompts, seed=args.seed)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+        return 0 if report["router"]["failed"] == report["round_robin"]["failed"] == 0 else 1
     items = workload_from_args(args)
     if args.compare_offline:
         import shlex

@@ -1,4 +1,4 @@
-"""`shoal serve | bench | operator`: one entry point, each subcommand in its own module."""
+"""`shoal serve | router | bench | operator`: one entry point, each subcommand in its own module."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=serve_args.HelpFormatter)
 
     serve_args.add_arguments(serve)
+
+    router = sub.add_parser("router", help="prefix- and load-aware front for several `shoal serve` groups (docs/router.md)")
+    from shoal.runtime.router import args as router_args
+
+    router_args.add_arguments(router)
 
     bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks")
     from shoal.runtime import bench_args

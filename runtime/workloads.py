@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NAMES = ("public", "sharegpt", "shared-prefix", "gpu")
+NAMES = ("public", "sharegpt", "shared-prefix", "gpu", "multi-tenant")
 
 
 @dataclass
@@ -64,6 +64,34 @@ def shared_prefix(num_prompts: int = 64, seed: int = 0, prefix_len: int = 512) -
     ]
 
 
+def multi_tenant(tenants: int = 8, conversations: int = 2, turns: int = 3, system_len: int = 256, turn_len=(32, 64),
+                 answer_len: int = 16, seed: int = 0, salt: int = 0) -> list[Item]:
+    """Many tenants, each with a long system prompt of its own shared by its conversations;
+    each conversation's next turn repeats the previous turns (user text, then the answer,
+    here `answer_len` stand-in tokens) and adds a user message. Items come in rounds (every
+    conversation's turn 1, in a shuffled order, then every turn 2, ...), so a turn arrives
+    after the one before it has usually finished. The shapes come from `seed`, the token ids
+    from (seed, salt): two salts give the same lengths and prefixes that share nothing."""
+    shape = np.random.default_rng(seed)
+    ids = np.random.default_rng([seed, salt])
+
+    def draw(n: int) -> list[int]:
+        return ids.integers(1000, 40000, n).tolist()
+
+    systems = [draw(system_len) for _ in range(tenants)]
+    convs = []
+    for t in range(tenants):
+        for _ in range(conversations):
+            convs.append((t, [(draw(int(shape.integers(turn_len[0], turn_len[1] + 1))), draw(answer_len)) for _ in range(turns)]))
+    items = []
+    for k in range(turns):
+        for c in shape.permutation(len(convs)):
+            t, chunks = convs[c]
+            history = [tok for user, answer in chunks[:k] for tok in user + answer]
+            items.append(Item(systems[t] + history + chunks[k][0], answer_len))
+    return items
+
+
 def load(name: str, num_prompts: int | None = None, seed: int = 0, tokenizer=None) -> list[Item]:
     if name == "public":
         return public()
@@ -73,6 +101,8 @@ def load(name: str, num_prompts: int | None = None, seed: int = 0, tokenizer=Non
         return shared_prefix(num_prompts or 64, seed)
     if name == "gpu":
         return gpu(num_prompts)
+    if name == "multi-tenant":
+        return multi_tenant(seed=seed)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(NAMES)}")
 
 

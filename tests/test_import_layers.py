@@ -13,7 +13,7 @@ FOLDERS = {"shoal": "shoal", "shoal.runtime": "runtime", "shoal.kernels": "kerne
 # part -> level; a module may import parts of a lower level (docs/layout.md has the same table)
 LEVELS = {
     "shoal.runtime.cli": 10, "shoal.runtime.bench_args": 9, "shoal.runtime.gpu_check": 9,
-    "shoal.runtime.bench": 8, "shoal.runtime.bench_serve": 8, "shoal.runtime.bench_step": 8,
+    "shoal.runtime.bench": 8, "shoal.runtime.bench_serve": 8, "shoal.runtime.bench_step": 8, "shoal.runtime.router": 8,
     "shoal.runtime.bench_models": 7,
     "shoal.runtime.entrypoints": 7,
     "shoal.runtime.engine": 6,

@@ -5,16 +5,35 @@ shared: its hash covers its tokens and, through the parent hash, every token bef
 so two sequences with the same prefix map to the same blocks. Blocks nobody references
 stay cached (and findable) on the free list until they are the least recently freed and
 an allocation needs them.
+
+The hash is a fixed function of the token ids, the same in every process and on every
+machine, so a router (runtime/router/) computes from a prompt the very hashes the
+servers' pools hold (docs/router.md, "Block hashes"):
+
+    hash_block(parent, tokens) = first 8 bytes, little-endian, of
+        SHA-256(parent as 8 bytes little-endian || each token id as 4 bytes little-endian)
+        with the top bit cleared (an int64 for any client),   parent of the first block = ROOT_HASH
+
+(Python's hash() would not do: hash(None) is the object's address, a different root in
+each process.) Every change to the set of findable hashes goes to `events`
+(block_events.py), which `GET /kv/blocks` serves.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+
+from shoal.runtime.cache.block_events import BlockEvents
+
+ROOT_HASH = 0  # the parent of a sequence's first block
+_MASK = (1 << 63) - 1
 
 
 def hash_block(parent: int | None, tokens) -> int:
-    # Python's tuple-of-int hash is deterministic across processes (no hash randomization).
-    return hash((parent, tuple(tokens)))
+    data = struct.pack(f"<Q{len(tokens)}I", ROOT_HASH if parent is None else parent, *tokens)
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & _MASK
 
 
 def block_hashes(token_ids, block_size: int, known: list[int] | None = None) -> list[int]:
@@ -35,6 +54,7 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.events = BlockEvents()  # what became findable or was forgotten, for routers
 
     @property
     def num_free(self) -> int:
@@ -90,15 +110,23 @@ class BlockPool:
     def register(self, block: int, h: int) -> None:
         """A block just became full: make it findable by its hash (first writer wins)."""
         if self.enable_prefix_caching and self.block_hash[block] is None and h not in self.cached:
-            self.block_hash[block] = h
-            self.cached[h] = block
+            with self.events.lock:
+                self.block_hash[block] = h
+                self.cached[h] = block
+                self.events.add(h, True)
 
     def _forget(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
             self.block_hash[block] = None
             if self.cached.get(h) == block:
-                del self.cached[h]
+                with self.events.lock:
+                    del self.cached[h]
+                    self.events.add(h, False)
+
+    def changes_since(self, seq: int, epoch: str | None) -> dict:
+        """The findable hashes stored and removed since event `seq` (GET /kv/blocks); any thread."""
+        return self.events.since(seq, epoch, self.cached)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.free):

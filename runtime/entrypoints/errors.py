@@ -34,7 +34,7 @@ def dumps(obj: Any) -> str:
     return s
 
 
-PROBE_PATHS = ("/health", "/ready", "/metrics")
+PROBE_PATHS = ("/health", "/ready", "/metrics", "/kv/blocks")  # polled: access lines at DEBUG
 
 
 def request_id_of(scope) -> str:
@@ -87,7 +87,7 @@ def install_handlers(app) -> None:
                 return _refuse(request, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
             if err.get("loc") in (("body",), ["body"]) and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
                 return _refuse(request, "the request body must be a JSON object")
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query")]
             if param is None and loc:
                 param = loc[0]
             where = ".".join(loc) or "body"

@@ -6,6 +6,7 @@
     /ready                                  loaded + KV cache + warm-up done, group joined, not draining
     /metrics                                Prometheus text (shoal_*, and the same series as vllm:*)
     /tokenize, /detokenize, /version, /load vLLM's utility endpoints, in vLLM's shapes
+    /kv/blocks?since=SEQ&epoch=E            prefix-cache block hashes stored/removed since SEQ (docs/router.md)
 
 Life of a server: uvicorn binds at once (so probes answer while the model loads), the engine
 is built on its own thread (AsyncEngine), /ready turns 200 when it is loaded. On SIGTERM
@@ -45,7 +46,7 @@ import signal
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from shoal.runtime.entrypoints.errors import RETRY_AFTER_S, dumps, install_handlers
+from shoal.runtime.entrypoints.errors import RETRY_AFTER_S, dumps, install_handlers, unavailable
 from shoal.runtime.entrypoints.logs import configure_logging
 from shoal.runtime.entrypoints.middleware import GuardMiddleware
 from shoal.runtime.entrypoints.protocol import (
@@ -153,6 +154,21 @@ def build_app(state: ServerState) -> FastAPI:
     async def load():
         """Requests this server holds (vLLM's server_load): what a router balances on."""
         return json_response({"server_load": state.engine.num_live})
+
+    # -- the prefix cache, for `shoal router` ------------------------------------------
+    @app.get("/kv/blocks")
+    async def kv_blocks(since: int = 0, epoch: str | None = None):
+        """Block hashes that became findable / were evicted since event `since` of `epoch`
+        (reset: true and the whole set when the log no longer reaches back, or the epoch differs),
+        with /ready's answer and the load, so one poll tells a router all it weighs."""
+        pool = getattr(state.engine.engine, "pool", None) if state.engine.ready else None
+        if pool is None:
+            raise unavailable("the model is still loading", "model_loading")
+        stats = state.engine.stats
+        load = {"running": stats.num_running if stats else 0, "waiting": state.engine.num_waiting,
+                "kv_cache_usage": stats.kv_cache_usage if stats else 0.0}
+        return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
+                              "prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch)})
 
     return app
 
