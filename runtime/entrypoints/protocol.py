@@ -210,6 +210,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls; checked in tool_parsers/choice.py
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", "name")
     @classmethod
@@ -235,14 +237,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="prompt tokens + this must fit in the model's context")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # tool calling: docs/tools.md, checked in tool_parsers/choice.py
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools and self.tool_choice != "none":
-            return "tools are not supported by this server", "tools"
         if self.response_format is not None and self.response_format.type != "text":
             return f"response_format {self.response_format.type!r} is not supported", "response_format"
         if self.top_logprobs and not self.logprobs:
@@ -306,6 +307,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):

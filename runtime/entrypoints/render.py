@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from shoal.runtime.entrypoints.errors import APIError, dumps, error_body, finite
 from shoal.runtime.entrypoints.job import Job, stream_items
+from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 
 if TYPE_CHECKING:
     from shoal.runtime.entrypoints.state import ServerState
@@ -61,8 +62,9 @@ class Renderer:
     """One job's response: `body()` when it has finished, or `stream(early)` as SSE."""
 
     def __init__(self, state: "ServerState", job: Job, created: int, *, chat: bool, logprobs: int | None,
-                 echo_text: dict[int, str] | None = None, include_usage: bool = False):
+                 echo_text: dict[int, str] | None = None, include_usage: bool = False, tools: ToolOutput | None = None):
         self.state, self.job, self.created, self.chat = state, job, created, chat
+        self.tools = tools  # chat with tool calling: the text goes through its parser (tool_parsers/output.py)
         self.k = logprobs  # completions: top logprobs per token; chat: top_logprobs (None: none asked)
         self.echo_text = echo_text or {}
         self.include_usage = include_usage
@@ -82,8 +84,15 @@ class Renderer:
             prefix = "" if self.chat else self.echo_text.get(key // job.n, "")
             lp = self._logprobs(c.token_ids, c.logprobs, len(prefix)) if self.k is not None else None
             text = prefix + "".join(c.text)
-            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": key, **content, "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            finish = c.finish_reason
+            if not self.chat:
+                content = {"text": text}
+            elif self.tools is not None:
+                message, finish = self.tools.message(text, finish)
+                content = {"message": message}
+            else:
+                content = {"message": {"role": "assistant", "content": text}}
+            choices.append({"index": key, **content, "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason})
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": job.http_id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices, "usage": job.usage()}
 
@@ -121,13 +130,30 @@ class Renderer:
                 lp = self._logprobs(d.token_ids, d.logprobs or [{}] * len(d.token_ids), off)
                 if not self.chat:
                     self.offsets[index] = off + sum(len(t) for t in lp["tokens"])
-            if d.text or d.finish_reason is not None or lp is not None:
+            if self.chat and self.tools is not None:
+                out.extend(self._tool_chunks(index, d, lp))
+            elif d.text or d.finish_reason is not None or lp is not None:
                 if self.chat:
                     payload = {"content": d.text} if (d.text or lp is not None) else {}
                 else:
                     payload = d.text
                 out.append(self._chunk(index, payload, lp, d.finish_reason, d.stop_reason if d.finish_reason else None))
         return "".join(out)
+
+    def _tool_chunks(self, index: int, d, lp) -> list[str]:
+        """A chat delta through the tool-call parser: content and tool_calls deltas (held-back
+        text may give none); the logprobs ride on the first chunk, finish_reason on the last."""
+        s = self.tools.stream(index)
+        deltas = s.feed(d.text) if d.text else []
+        finish = None
+        if d.finish_reason is not None:
+            deltas += s.finish()
+            finish = s.finish_reason(d.finish_reason)
+        if not deltas and (finish is not None or lp is not None):
+            deltas = [{}]
+        last = len(deltas) - 1
+        return [self._chunk(index, delta, lp if i == 0 else None, finish if i == last else None,
+                            d.stop_reason if i == last and finish is not None else None) for i, delta in enumerate(deltas)]
 
     async def _events(self, early: list):
         """`first`, the rendered deltas, usage if asked, [DONE]; an error mid-stream becomes

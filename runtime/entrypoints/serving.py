@@ -26,6 +26,9 @@ from shoal.runtime.entrypoints.prompts import PromptTooLong, context_error
 from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from shoal.runtime.entrypoints.render import Renderer
 from shoal.runtime.entrypoints.state import ServerState
+from shoal.runtime.entrypoints.tool_parsers.chat_template import request_messages
+from shoal.runtime.entrypoints.tool_parsers.choice import tool_choice_of
+from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 
 
 class Serving:
@@ -131,19 +134,23 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         state = self.state
         self._prepare(req)
+        tools = tool_choice_of(req, state.tool_call_parser, state.enable_auto_tool_choice)  # 400s; docs/tools.md
         k = req.num_logprobs()
         max_tokens = req.completion_tokens_limit()
         params = self._params(req, max_tokens, k)
+        if tools is not None:
+            tools.force(params)  # required / a named function: structured outputs
         self._admit(1)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-        ids = await self._tokenize(state.prompts.chat_ids, messages, req.add_generation_prompt, param="messages")
+        ids = await self._tokenize(state.prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt, False,
+                                   tools.template_tools if tools else None, param="messages")
         self._check_fits(ids, max_tokens, param="messages")
         self._admit(1)
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         job.submit([ids], params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage)
+        tool_output = ToolOutput(tools, state.engine.tokenizer) if tools is not None and tools.mode != "none" else None
+        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, tools=tool_output)
         return await self._respond(request, req, job, renderer)
 
     # -- vLLM's utility endpoints -----------------------------------------------------------
@@ -158,8 +165,7 @@ class Serving:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await self._tokenize(prompts.text_ids, req.prompt, special)
         else:
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-            ids = await self._tokenize(prompts.chat_ids, messages, req.add_generation_prompt, bool(req.add_special_tokens),
+            ids = await self._tokenize(prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt, bool(req.add_special_tokens),
                                        param="messages")
         strs = await prompts.run(prompts.token_strs, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}
