@@ -349,6 +349,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None  # rendered into the chat template, as /v1/chat/completions does (docs/tools.md)
     add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -27,7 +27,7 @@ from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, Completion
 from shoal.runtime.entrypoints.render import Renderer
 from shoal.runtime.entrypoints.state import ServerState
 from shoal.runtime.entrypoints.tool_parsers.chat_template import request_messages
-from shoal.runtime.entrypoints.tool_parsers.choice import tool_choice_of
+from shoal.runtime.entrypoints.tool_parsers.choice import check_messages, check_tools, tool_choice_of
 from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 
 
@@ -165,7 +165,10 @@ class Serving:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await self._tokenize(prompts.text_ids, req.prompt, special)
         else:
-            ids = await self._tokenize(prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt, bool(req.add_special_tokens),
+            check_messages(req.messages)
+            if req.tools:
+                check_tools(req.tools)
+            ids = await self._tokenize(prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt, bool(req.add_special_tokens), req.tools,
                                        param="messages")
         strs = await prompts.run(prompts.token_strs, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}

@@ -75,7 +75,8 @@ class ToolChoice:
             return
         if params.structured_outputs is not None:
             raise _bad("tool_choice 'required' or a named function cannot be combined with other structured outputs", "tool_choice")
-        params.structured_outputs = StructuredOutputsParams(json=schema)
+        # compact JSON: whitespace carries nothing in a call, and a weak model can loop on it
+        params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def check_tools(tools: list[dict]) -> None:
