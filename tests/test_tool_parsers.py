@@ -313,3 +313,22 @@ def test_llm_chat_passes_tools_to_the_template(tokenizer):
     assert "<tool_call>" in tokenizer.decode(round_trip) and "22 degrees" in tokenizer.decode(round_trip)
     (without,) = llm.chat(CONVERSATION[:1])  # no tools: the model's own template, untouched
     assert tokenizer.decode(without) == tokenizer.apply_chat_template(CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
+
+
+def test_forcing_schemas_compile_in_xgrammar():
+    """The grammar engine reads the schemas as jsonschema does (skipped where xgrammar is not installed)."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    tools = [WEATHER, TIME, NOARGS]
+    good = [{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}, {"name": "get_time", "parameters": {"zone": "UTC"}},
+            {"name": "ping", "parameters": {}}]
+    bad = [[], [{"name": "nope", "parameters": {}}], [{"name": "get_time", "parameters": {"zone": "PST"}}]]
+    for parallel in (True, False):
+        schema = tool_choice_of(request(tools=tools, tool_choice="required", parallel_tool_calls=parallel), None, False).schema()
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        for call in good:
+            assert accepts(grammar, json.dumps([call]))
+        assert accepts(grammar, json.dumps(good[:2])) == parallel
+        for value in bad:
+            assert not accepts(grammar, json.dumps(value))
