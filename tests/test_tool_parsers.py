@@ -332,3 +332,25 @@ def test_forcing_schemas_compile_in_xgrammar():
         assert accepts(grammar, json.dumps(good[:2])) == parallel
         for value in bad:
             assert not accepts(grammar, json.dumps(value))
+
+
+def test_serve_flags(tmp_path):
+    import argparse
+
+    from shoal.runtime.entrypoints.serve_args import _check_tool_flags, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def check(*argv):
+        _check_tool_flags(parser.parse_args(list(argv)))
+
+    check("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with pytest.raises(SystemExit, match="needs --tool-call-parser"):
+        check("--enable-auto-tool-choice")
+    with pytest.raises(SystemExit, match="known parsers"):
+        check("--tool-call-parser", "no-such")
+    plugin = tmp_path / "plug.py"
+    plugin.write_text("from shoal.runtime.entrypoints.tool_parsers import ToolParser, register_tool_parser\n"
+                      "register_tool_parser('plugged')(type('Plugged', (ToolParser,), {}))\n")
+    check("--tool-parser-plugin", str(plugin), "--tool-call-parser", "plugged")

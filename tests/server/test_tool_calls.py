@@ -15,6 +15,8 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from engine_helpers import make_tiny_model
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from server_helpers import start_server
@@ -27,6 +29,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
     "type": "object", "properties": {"zone": {"type": "string"}}}}}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_ST = st.just(WEATHER)
 ROUND_TRIP = ASK + [
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -154,6 +157,32 @@ def test_bad_tool_requests_are_400_and_the_server_goes_on(tools_server, oai, mod
     with pytest.raises(openai.BadRequestError):  # the official client sees the same refusal
         oai.chat.completions.create(model=model, **{"messages": ASK, "max_tokens": 2, **body})
     assert oai.chat.completions.create(model=model, messages=ASK, max_tokens=2).choices[0].message.role == "assistant"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+FUNCTION = st.fixed_dictionaries({}, optional={"name": st.sampled_from(["f", "get_weather", ""]) | JSON, "parameters": JSON,
+                                                 "description": JSON})
+TOOL = st.fixed_dictionaries({}, optional={"type": st.sampled_from(["function", "x"]) | JSON, "function": FUNCTION | JSON})
+CHOICE = st.sampled_from(["none", "auto", "required"]) | JSON | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({}, optional={"name": st.sampled_from(["f", "get_weather"]) | JSON})})
+CALL = st.fixed_dictionaries({}, optional={"type": JSON, "function": FUNCTION | JSON, "id": JSON})
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.text(max_size=8) | st.none()},
+                                optional={"tool_calls": st.lists(CALL, max_size=2), "tool_call_id": st.text(max_size=4)})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(tools=st.none() | st.lists(TOOL | WEATHER_ST, max_size=3), choice=st.none() | CHOICE, parallel=st.none() | st.booleans(),
+       messages=st.lists(MESSAGE, min_size=1, max_size=3), stream=st.booleans())
+def test_junk_tool_fields_are_400_never_5xx(tools_server, model, tools, choice, parallel, messages, stream):
+    body = {"model": model, "messages": messages, "max_tokens": 2, "stream": stream}
+    for key, value in (("tools", tools), ("tool_choice", choice), ("parallel_tool_calls", parallel)):
+        if value is not None:
+            body[key] = value
+    r = httpx.post(tools_server.v1 + "/chat/completions", json=body, timeout=60)
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_auto_needs_the_flag(client, model_name):
