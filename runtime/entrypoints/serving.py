@@ -1,6 +1,7 @@
 """What /v1/completions and /v1/chat/completions do between the parsed body and the response.
 
     check accepting, model, unsupported fields, priority     -> 400 / 404 / 503
+    chat: tools, tool_choice, tool turns (tool_parsers/)     -> 400; a forced choice sets structured outputs
     sampling params (bounded; top_k >= vocab is off)          -> 400
     admit (queue bound, before any work)                      -> 503 / 400 never fits
     prompt -> token ids on the tokenizer pool                  -> 400 too long, bad template
