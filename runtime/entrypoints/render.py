@@ -7,8 +7,8 @@ The two APIs differ in a few places only, and those are the renderer's branches:
   logprobs    tokens/token_logprobs/     content: [{token, logprob, bytes, top_logprobs}]
               top_logprobs/text_offset
 With tool calling (tool_parsers/output.py) a chat message also has "tool_calls", and its
-chunks "delta": {"tool_calls"}. Everything else (ids, usage, stop_reason, the SSE framing, usage chunk, errors mid-stream,
-[DONE]) is shared.
+chunks "delta": {"tool_calls"}. Everything else (ids, usage, stop_reason, the SSE framing,
+usage chunk, errors mid-stream, [DONE]) is shared.
 """
 
 from __future__ import annotations
