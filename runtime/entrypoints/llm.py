@@ -64,15 +64,21 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
-    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool | None = None, **template_kwargs):
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool | None = None, tools: list[dict] | None = None,
+             **template_kwargs):
+        """One conversation (a list of {"role", "content"}) or a list of them. `tools` (OpenAI's
+        function tools) go to the chat template; a model whose template ignores tools gets the
+        shipped Hermes template, as the server does (docs/tools.md). The calls are not parsed."""
+        from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, template_messages, tool_template
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        # the template already holds the special tokens: tokenize without adding them again
-        prompts = [
-            self.tokenizer(
-                self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **template_kwargs),
-                add_special_tokens=False,
-            ).input_ids
-            for c in conversations
-        ]
+        prompts = []
+        for c in conversations:
+            kw = dict(template_kwargs)
+            if tools or has_tool_turns(c):
+                c = template_messages(c)
+                kw.update(tools=tools or None, chat_template=kw.get("chat_template") or tool_template(self.tokenizer, self.tokenizer.chat_template))
+            # the template already holds the special tokens: tokenize without adding them again
+            text = self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **kw)
+            prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)
         return self.generate(prompts, params, use_tqdm)

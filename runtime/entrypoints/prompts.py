@@ -21,6 +21,8 @@ import copy
 import os
 import threading
 
+from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, tool_template
+
 
 class PromptTooLong(ValueError):
     pass
@@ -89,11 +91,14 @@ class PromptTokenizer:
     def token_strs(self, ids: list[int]) -> list[str]:
         return self._tokenizer().convert_ids_to_tokens(ids)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         tok = self._tokenizer()
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        kw = {}
+        if tools or has_tool_turns(messages):  # a template that renders tools (docs/tools.md)
+            kw = {"tools": tools or None, "chat_template": tool_template(tok, self.chat_template)}
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         self._check_size(text, "the conversation")
         return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 

@@ -246,6 +246,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's calls; checked in tool_parsers/choice.py
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", "name")
     @classmethod
@@ -266,13 +268,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="prompt tokens + this must fit in the model's context")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # tool calling: docs/tools.md, checked in tool_parsers/choice.py
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools and self.tool_choice != "none":
-            return "tools are not supported by this server", "tools"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs requires logprobs: true", "top_logprobs"
         return super().unsupported()
@@ -343,6 +344,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -387,6 +389,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None  # rendered into the chat template, as /v1/chat/completions does (docs/tools.md)
     add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False

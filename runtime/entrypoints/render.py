@@ -6,8 +6,9 @@ The two APIs differ in a few places only, and those are the renderer's branches:
   a chunk     "text": delta              "delta": {"content"} (the first: {"role", "content": ""})
   logprobs    tokens/token_logprobs/     content: [{token, logprob, bytes, top_logprobs}]
               top_logprobs/text_offset
-Everything else (ids, usage, stop_reason, the SSE framing, usage chunk, errors mid-stream,
-[DONE]) is shared.
+With tool calling (tool_parsers/output.py) a chat message also has "tool_calls", and its
+chunks "delta": {"tool_calls"}. Everything else (ids, usage, stop_reason, the SSE framing,
+usage chunk, errors mid-stream, [DONE]) is shared.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from shoal.runtime.entrypoints.errors import APIError, dumps, error_body, finite
 from shoal.runtime.entrypoints.job import Job, stream_items
+from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 
 if TYPE_CHECKING:
     from shoal.runtime.entrypoints.scoring import Extras
@@ -64,10 +66,12 @@ class Renderer:
     """One job's response: `body()` when it has finished, or `stream(early)` as SSE."""
 
     def __init__(self, state: "ServerState", job: Job, created: int, *, chat: bool, logprobs: int | None,
-                 echo_text: dict[int, str] | None = None, include_usage: bool = False, extras: "Extras | None" = None):
+                 echo_text: dict[int, str] | None = None, include_usage: bool = False, extras: "Extras | None" = None,
+                 tools: ToolOutput | None = None):
         self.state, self.job, self.created, self.chat = state, job, created, chat
         self.extras = extras  # scoring and token fields (scoring.py)
         self.tok = extras.tok(state) if extras is not None else state.tok_str
+        self.tools = tools  # chat with tool calling: the text goes through its parser (tool_parsers/output.py)
         self.k = logprobs  # completions: top logprobs per token; chat: top_logprobs (None: none asked)
         self.echo_text = echo_text or {}
         self.include_usage = include_usage
@@ -98,7 +102,13 @@ class Renderer:
                 lp = {name: lp[name] + rest[name] for name in lp}
             elif self.k is not None:
                 lp = self._logprobs(token_ids, lps, len(prefix))
-            content = {"message": {"role": "assistant", "content": prefix + text}} if self.chat else {"text": prefix + text}
+            if not self.chat:
+                content = {"text": prefix + text}
+            elif self.tools is not None:
+                message, reason = self.tools.message(text, finish[0])
+                finish, content = (reason, finish[1]), {"message": message}
+            else:
+                content = {"message": {"role": "assistant", "content": text}}
             choice = {"index": key, **content, "logprobs": lp, "finish_reason": finish[0], "stop_reason": finish[1]}
             if x is not None:
                 x.choice(choice, job.prompt_ids[tag], token_ids, job.prompt_logprobs.get(tag))
@@ -183,13 +193,32 @@ class Renderer:
                 if not self.chat:
                     self.offsets[index] = off + sum(len(t) for t in lp["tokens"])
             ids = self.extras is not None and self.extras.return_token_ids and d.token_ids
-            if d.text or d.finish_reason is not None or lp is not None or ids:
+            if self.chat and self.tools is not None:
+                out.extend(self._tool_chunks(index, d, lp))
+            elif d.text or d.finish_reason is not None or lp is not None or ids:
                 if self.chat:
                     payload = {"content": d.text} if (d.text or lp is not None) else {}
                 else:
                     payload = d.text
                 out.append(self._chunk(index, payload, lp, d.finish_reason, d.stop_reason if d.finish_reason else None, d.token_ids))
         return "".join(out)
+
+    def _tool_chunks(self, index: int, d, lp) -> list[str]:
+        """A chat delta through the tool-call parser: content and tool_calls deltas (held-back
+        text may give none); the logprobs ride on the first chunk, finish_reason on the last."""
+        s = self.tools.stream(index)
+        deltas = s.feed(d.text) if d.text else []
+        finish = None
+        if d.finish_reason is not None:
+            deltas += s.finish()
+            finish = s.finish_reason(d.finish_reason)
+        ids = self.extras is not None and self.extras.return_token_ids and d.token_ids
+        if not deltas and (finish is not None or lp is not None or ids):
+            deltas = [{}]
+        last = len(deltas) - 1
+        return [self._chunk(index, delta, lp if i == 0 else None, finish if i == last else None,
+                            d.stop_reason if i == last and finish is not None else None, d.token_ids if i == 0 else None)
+                for i, delta in enumerate(deltas)]
 
     async def _events(self, early: list):
         """`first`, the rendered deltas, usage if asked, [DONE]; an error mid-stream becomes

@@ -2,7 +2,7 @@
 
 vLLM's spellings a user types work too: --gpu-memory-utilization, --tokenizer (the model's
 own only), --chat-template, --max-logprobs, --root-path, --allowed-origins,
---disable-log-stats."""
+--disable-log-stats, --enable-auto-tool-choice, --tool-call-parser, --tool-parser-plugin."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--allowed-origins", type=_origins, default=None,
                    help="CORS: origins allowed to call the API, a JSON list or comma-separated (default: no CORS headers)")
     v.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
+    t = parser.add_argument_group("tool calling (vLLM's flags; docs/tools.md)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when tools are given): parse the model\'s tool calls with --tool-call-parser')
+    t.add_argument("--tool-call-parser", default=None,
+                   help="the parser that finds tool calls in the model's text: hermes, or one a --tool-parser-plugin registers (default: none)")
+    t.add_argument("--tool-parser-plugin", default=None, help="a Python file to import that registers tool-call parsers (default: none)")
     g = parser.add_argument_group("server")
     # 0.0.0.0 by default: in a pod the kubelet probes the pod IP, so loopback would fail
     # every probe. Pass --host 127.0.0.1 to keep a workstation server private.
@@ -94,6 +100,20 @@ def _resolve_vllm_spellings(args: argparse.Namespace) -> None:
             raise SystemExit(f"--chat-template: no such file {path!r} (and not a template)")
     if not 0 <= args.max_logprobs <= 20:
         raise SystemExit("--max-logprobs must be in [0, 20]")
+    _check_tool_flags(args)
+
+
+def _check_tool_flags(args: argparse.Namespace) -> None:
+    from shoal.runtime.entrypoints.tool_parsers import load_tool_parser_plugin, tool_parser_names
+
+    if args.tool_parser_plugin:
+        if not os.path.isfile(args.tool_parser_plugin):
+            raise SystemExit(f"--tool-parser-plugin: no such file {args.tool_parser_plugin!r}")
+        load_tool_parser_plugin(args.tool_parser_plugin)
+    if args.tool_call_parser is not None and args.tool_call_parser not in tool_parser_names():
+        raise SystemExit(f"--tool-call-parser {args.tool_call_parser!r}: known parsers are {', '.join(tool_parser_names())}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 def run(args: argparse.Namespace) -> int:

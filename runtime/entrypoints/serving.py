@@ -1,6 +1,7 @@
 """What /v1/completions and /v1/chat/completions do between the parsed body and the response.
 
     check accepting, model, unsupported fields, priority     -> 400 / 404 / 503
+    chat: tools, tool_choice, tool turns (tool_parsers/)     -> 400; a forced choice sets structured outputs
     sampling params (bounded; top_k >= vocab is off)          -> 400
     admit (queue bound, before any work)                      -> 503 / 400 never fits
     prompt -> token ids on the tokenizer pool                  -> 400 too long, bad template
@@ -28,6 +29,9 @@ from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, Completion
 from shoal.runtime.entrypoints.render import Renderer
 from shoal.runtime.entrypoints.scoring import Extras
 from shoal.runtime.entrypoints.state import ServerState
+from shoal.runtime.entrypoints.tool_parsers.chat_template import request_messages
+from shoal.runtime.entrypoints.tool_parsers.choice import check_messages, check_tools, tool_choice_of
+from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 
 
 class Serving:
@@ -159,20 +163,24 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         state = self.state
         extras = self._prepare(req)
+        tools = tool_choice_of(req, state.tool_call_parser, state.enable_auto_tool_choice)  # 400s; docs/tools.md
         k = req.num_logprobs()
         max_tokens = req.completion_tokens_limit()
         params = self._params(req, max_tokens, k, extras)
+        if tools is not None:
+            tools.force(params)  # required / a named function: structured outputs
         self._admit(1)
         await self._compile(req, params)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-        ids = extras.truncated(await self._tokenize(state.prompts.chat_ids, messages, req.add_generation_prompt, param="messages"))
+        ids = extras.truncated(await self._tokenize(state.prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt,
+                                                    False, tools.template_tools if tools else None, param="messages"))
         self._check_fits(ids, max_tokens, param="messages")
         self._admit(1)
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         job.submit([ids], params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras)
+        tool_output = ToolOutput(tools, state.engine.tokenizer) if tools is not None and tools.mode != "none" else None
+        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras, tools=tool_output)
         return await self._respond(request, req, job, renderer)
 
     # -- vLLM's utility endpoints -----------------------------------------------------------
@@ -187,8 +195,10 @@ class Serving:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await self._tokenize(prompts.text_ids, req.prompt, special)
         else:
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-            ids = await self._tokenize(prompts.chat_ids, messages, req.add_generation_prompt, bool(req.add_special_tokens),
+            check_messages(req.messages)
+            if req.tools:
+                check_tools(req.tools)
+            ids = await self._tokenize(prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt, bool(req.add_special_tokens), req.tools,
                                        param="messages")
         strs = await prompts.run(prompts.token_strs, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}

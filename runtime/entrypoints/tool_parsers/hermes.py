@@ -1,0 +1,202 @@
+"""Hermes-style tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
+number of them, as Hermes, Qwen2.5 and the shipped template (hermes_tool_chat_template.jinja)
+write them.
+
+One state machine serves both modes (docs/tools.md):
+  text      outside a tag: content. Text that could be the start of `<tool_call>` is held
+            back, and so is whitespace that could precede one (whitespace around a call is
+            dropped, the rest is kept, before, between and after calls).
+  header    after `<tool_call>`: held until it reads `{"name": "<name>", "arguments": {`;
+            then the call starts (index, id, name).
+  arguments the arguments object, passed through as it arrives, up to its closing brace
+            (JSON strings and nesting tracked), or `</tool_call>`, or the end (a truncated
+            call keeps what it has, as OpenAI's arguments may be invalid JSON).
+  tail      whatever follows the arguments up to `</tool_call>`: ignored.
+  fallback  a header of another shape: the block is held to `</tool_call>` (or the end) and
+            parsed whole; a JSON object with a name and object arguments is a call, anything
+            else is left as content, tags included.
+"""
+
+from __future__ import annotations
+
+import json
+
+import regex
+
+from shoal.runtime.entrypoints.tool_parsers.base import ToolParser, call_arguments, call_start, coalesce
+from shoal.runtime.entrypoints.tool_parsers.registry import register_tool_parser
+
+START, END = "<tool_call>", "</tool_call>"
+HEADER = regex.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*\{', regex.DOTALL)
+
+
+def _held_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@register_tool_parser("hermes")
+class HermesToolParser(ToolParser):
+    def __init__(self, tokenizer=None, max_calls: int | None = None):
+        super().__init__(tokenizer, max_calls)
+        self.state = "text"
+        self.pending = ""  # text not yet emitted (state text) or the call's body so far (other states)
+        self.after_call = False  # drop whitespace right after a call
+        self.ws_before = ""  # whitespace before the open tag: dropped for a call, kept for a malformed tag
+        self.calls = 0  # calls recognised (muted ones included)
+        self.pos = 0  # arguments: where the scan of pending has reached
+        self.depth, self.in_str, self.esc = 0, False, False
+
+    # -- the machine -------------------------------------------------------------------------
+    def feed(self, text: str) -> list[dict]:
+        self.pending += text
+        out: list[dict] = []
+        while getattr(self, f"_{self.state}")(out):
+            pass
+        return coalesce(out)
+
+    def finish(self) -> list[dict]:
+        out: list[dict] = []
+        if self.state == "text":
+            if self.pending and not self.after_call:
+                out.append({"content": self.pending})
+        elif self.state in ("header", "fallback"):
+            self._whole_block(self.pending, closed=False, out=out)
+        self.pending, self.state = "", "done"
+        return coalesce(out)
+
+    def _done(self, out) -> bool:
+        self.pending = ""
+        return False
+
+    # each step returns True when it changed state and the loop should go on
+    def _text(self, out) -> bool:
+        if self.after_call:
+            self.pending = self.pending.lstrip()
+            if not self.pending:
+                return False
+            self.after_call = False
+        i = self.pending.find(START)
+        if i >= 0:
+            before = self.pending[:i]
+            kept = before.rstrip()
+            self.ws_before = before[len(kept):]
+            if kept:
+                out.append({"content": kept})
+            self.pending = self.pending[i + len(START):]
+            self.state = "header"
+            return True
+        cut = len(self.pending) - _held_suffix(self.pending, START)
+        cut = len(self.pending[:cut].rstrip())
+        if cut:
+            out.append({"content": self.pending[:cut]})
+            self.pending = self.pending[cut:]
+        return False
+
+    def _header(self, out) -> bool:
+        m = HEADER.match(self.pending, partial=True)
+        if m is not None and m.partial:
+            return False  # may still become a header
+        name = json.loads(m.group(1)) if m is not None else ""
+        if not name:
+            self.state = "fallback"
+            return True
+        self._start_call(name, out)
+        self.pos = m.end() - 1  # the arguments' opening brace
+        self.depth, self.in_str, self.esc = 0, False, False
+        self.state = "arguments"
+        return True
+
+    def _arguments(self, out) -> bool:
+        body, pos, start = self.pending, self.pos, self.pos
+        closed = ended = False
+        while pos < len(body):
+            ch = body[pos]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    pos += 1
+                    ended = True
+                    break
+            elif ch == "<":
+                rest = body[pos:]
+                if rest.startswith(END):
+                    closed = True
+                    break
+                if END.startswith(rest):
+                    break  # wait: it may be the closing tag
+            pos += 1
+        self._fragment(body[start:pos], out)
+        self.pos = pos
+        if closed:
+            return self._close(pos + len(END))
+        if ended:
+            self.pending = body[pos:]
+            self.state = "tail"
+            return True
+        return False
+
+    def _tail(self, out) -> bool:
+        i = self.pending.find(END)
+        if i < 0:
+            keep = _held_suffix(self.pending, END)
+            self.pending = self.pending[len(self.pending) - keep:] if keep else ""
+            return False
+        return self._close(i + len(END))
+
+    def _fallback(self, out) -> bool:
+        i = self.pending.find(END)
+        if i < 0:
+            return False
+        self._whole_block(self.pending[:i], closed=True, out=out)
+        self.pending = self.pending[i + len(END):]
+        self.state = "text"
+        return True
+
+    # -- pieces ------------------------------------------------------------------------------
+    def _close(self, end: int) -> bool:
+        self.pending = self.pending[end:]
+        self.state, self.after_call = "text", True
+        return True
+
+    def _muted(self) -> bool:
+        return self.max_calls is not None and self.calls > self.max_calls
+
+    def _start_call(self, name: str, out) -> None:
+        self.calls += 1
+        self.ws_before = ""
+        if not self._muted():
+            out.append(call_start(self.calls - 1, name))
+
+    def _fragment(self, text: str, out) -> None:
+        if text and not self._muted():
+            out.append(call_arguments(self.calls - 1, text))
+
+    def _whole_block(self, block: str, closed: bool, out) -> None:
+        """A block whose header was not the usual one: a call if it parses, else content."""
+        try:
+            obj = json.loads(block)
+        except ValueError:
+            obj = None
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] and isinstance(args, dict):
+            self._start_call(obj["name"], out)
+            self._fragment(json.dumps(args, ensure_ascii=False), out)
+            self.after_call = True
+            return
+        out.append({"content": self.ws_before + START + block + (END if closed else "")})
+        self.ws_before = ""
