@@ -20,7 +20,8 @@ INT64_MAX = 2**63 - 1
 UNBOUNDED_ABOVE = {"top_k": "values at or above the vocabulary size mean off"}
 # an in-range value may still be refused for a reason that depends on the rest of the body
 ALLOWED_400 = {"max_tokens": "context length", "max_completion_tokens": "context length", "min_tokens": "min_tokens",
-               "priority": "--scheduling-policy priority", "best_of": "best_of", "stop_token_ids": "vocabulary"}
+               "priority": "--scheduling-policy priority", "best_of": "best_of", "stop_token_ids": "vocabulary",
+               "allowed_token_ids": "vocabulary"}
 
 
 @pytest.fixture(scope="module")
