@@ -84,8 +84,7 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
         m.frequency_penalty = _column([p.frequency_penalty for p in params])
         m.output_ids = pad_rows([s.output_ids for s in seqs], fill=-1)
     # min_tokens: EOS (unless ignored) and the stop ids cannot end the sequence yet; bad_words
-    bans = {row: ([t for t in ([] if s.params.ignore_eos else eos_ids) + s.params.stop_token_ids]
-                  if s.num_output_tokens < s.params.min_tokens else [])
+    bans = {row: (([] if s.params.ignore_eos else eos_ids) + s.params.stop_token_ids if s.num_output_tokens < s.params.min_tokens else [])
             + (bad_words.banned_now(s.request.bad_words, s.output_ids) if s.request.bad_words else [])
             for row, s in enumerate(seqs)}
     masked = [row for row, s in enumerate(seqs) if s.request.grammar is not None or s.request.allowed_mask is not None]
