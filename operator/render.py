@@ -676,18 +676,23 @@ def traffic_service(body: dict[str, Any]) -> dict[str, Any]:
     })
 
 
-def pod_disruption_budget(body: dict[str, Any]) -> dict[str, Any]:
-    name = body["metadata"]["name"]
+def _disruption_budget(body: dict[str, Any], metadata: dict[str, Any], selector: dict[str, str]) -> dict[str, Any]:
+    """At most one of the selected pods voluntarily evicted at a time."""
     return _stamp({
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(body, name),
+        "metadata": metadata,
         "spec": {
             "maxUnavailable": 1,
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": selector},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     })
+
+
+def pod_disruption_budget(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return _disruption_budget(body, _meta(body, name), selector_labels(name))
 
 
 def _relabelings() -> list[dict[str, Any]]:
@@ -917,16 +922,8 @@ def leaders_service(body: dict[str, Any]) -> dict[str, Any]:
 
 def router_disruption_budget(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
-    return _stamp({
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": _meta(body, router_name(name), {"app.kubernetes.io/component": "router"}),
-        "spec": {
-            "maxUnavailable": 1,
-            "selector": {"matchLabels": router_selector_labels(name)},
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
-    })
+    return _disruption_budget(body, _meta(body, router_name(name), {"app.kubernetes.io/component": "router"}),
+                              router_selector_labels(name))
 
 
 def router_pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
