@@ -37,8 +37,10 @@ common = {
     "min_tokens": small_int, "priority": st.one_of(st.integers(-(2**65), 2**65), junk), "stream": st.one_of(st.booleans(), junk),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.one_of(st.booleans(), junk)}), junk),
     "logit_bias": junk, "user": junk, "skip_special_tokens": junk,
+    "structured_outputs": junk, "guided_json": junk, "guided_regex": junk, "guided_choice": junk, "guided_decoding_backend": junk,
+    "allowed_token_ids": st.one_of(st.lists(st.integers(-3, 60000), max_size=3), junk), "bad_words": junk,
 }
-completion_body = st.fixed_dictionaries({}, optional={**common, "prompt": prompt, "max_tokens": max_tokens, "logprobs": small_int, "echo": junk, "best_of": small_int, "suffix": junk})
+completion_body = st.fixed_dictionaries({}, optional={**common, "prompt": prompt, "max_tokens": max_tokens, "response_format": junk, "logprobs": small_int, "echo": junk, "best_of": small_int, "suffix": junk})
 chat_body = st.fixed_dictionaries(
     {"max_tokens": max_tokens},
     optional={**common, "messages": st.one_of(st.lists(message, max_size=3), junk), "max_completion_tokens": max_tokens, "logprobs": st.one_of(st.booleans(), junk),
