@@ -136,7 +136,7 @@ def part_throughput(cfg: dict, out: Path) -> dict:
         model=_model(c["preset"], c["dtype"], c["device"]), random_model=None, device=c["device"], dtype=c["dtype"],
         workload="gpu", num_prompts=c["num_prompts"], workload_seed=0, compare_hf=True,
         hf_batch_size=c["hf_batch_size"], json=str(out / "throughput_raw.json"),
-        kv_cache_memory=c["kv_cache_memory"])
+        kv_cache_memory=c["kv_cache_memory"], structured=None)
     bench.throughput(args)
     result = json.loads((out / "throughput_raw.json").read_text())
     result["model"] = f"{c['preset']} {c['dtype']} (random weights)"
