@@ -201,8 +201,42 @@ static inline __attribute__((always_inline)) void tile_strided(const float *w0, 
 /* out[b][0..8 NP) = x_b . (the NP 8-wide columns at w0 and w1, whose rows lie ldw floats
  * apart: 8 in a weight panel) for the B rows of x [B, K], 6 rows at a time in constant tile
  * shapes so that the accumulators stay in registers. */
+#ifdef __AVX512F__
+/* With AVX-512 (the library is built with it where the CPU has it): both panels in one 16-wide
+ * register, NB <= 12 inputs a tile: 12 accumulators, each weight row feeding 12 FMAs whose
+ * broadcast operand comes straight from memory. Twice the work an instruction of the AVX2 tile. */
+static inline __attribute__((always_inline)) void tile_pair512(const float *w0, const float *w1, int64_t ldw, const float *x,
+                                                               int64_t K, const int NB, float (*out)[16]) {
+    __m512 acc[12];
+    for (int b = 0; b < NB; b++) acc[b] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(w0 + ldw * k)));
+        __m512 wk = _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(w1 + ldw * k)), 1));
+        for (int b = 0; b < NB; b++) acc[b] = _mm512_fmadd_ps(wk, _mm512_set1_ps(x[b * K + k]), acc[b]);
+    }
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out[b], acc[b]);
+}
+
+#define PAIR512_CASE(n) \
+    case n: tile_pair512(w0, w1, ldw, xb, K, n, ob); break;
+#endif
+
 static void tile_rows(const float *w0, const float *w1, int64_t ldw, const float *x, int64_t B, int64_t K, int NP,
                       float (*out)[16]) {
+#ifdef __AVX512F__
+    if (NP == 2) {
+        for (int64_t b = 0; b < B; b += 12) {
+            const float *xb = x + b * K;
+            float (*ob)[16] = out + b;
+            switch (B - b < 12 ? (int)(B - b) : 12) {
+            PAIR512_CASE(1) PAIR512_CASE(2) PAIR512_CASE(3) PAIR512_CASE(4) PAIR512_CASE(5) PAIR512_CASE(6)
+            PAIR512_CASE(7) PAIR512_CASE(8) PAIR512_CASE(9) PAIR512_CASE(10) PAIR512_CASE(11)
+            default: tile_pair512(w0, w1, ldw, xb, K, 12, ob); break;
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t b = 0; b < B; b += 6) {
         const float *xb = x + b * K;
         float (*ob)[16] = out + b;

@@ -4,7 +4,7 @@
     decoder.attach(kv_caches)            # once the KV cache exists
     logits = decoder.step(input_ids, positions, slots, block_tables, context_lens)
 
-The library is compiled at first use with the system's C compiler into
+The library is compiled at first use (with AVX-512 where torch uses it) with the system's C compiler into
 ``$SHOAL_CACHE/kernels/`` (named by a hash of the source, written atomically), like
 Triton's cache. A machine without a compiler or without AVX2/FMA gets None, and the
 engine runs the torch model instead. The decoder keeps its own copy of the linear
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_llama.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp"]
+AVX512_FLAGS = ["-mavx512f"]  # the wider matmul tile, where torch's own kernels use AVX-512 too
 P = ctypes.POINTER
 F32P = P(ctypes.c_float)
 I64 = ctypes.c_int64
@@ -63,10 +64,17 @@ def _cache_dir() -> Path:
     return cache_dir() / "kernels"
 
 
+def compile_flags() -> list[str]:
+    """AVX2 and FMA always; AVX-512 too where torch dispatches to it (ATEN_CPU_CAPABILITY=avx2
+    turns both down)."""
+    return FLAGS + (AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+
+
 def _compile() -> Path:
     """The shared library for this source and these flags, compiled once (atomic rename)."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = compile_flags()
+    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_llama-{key}.so"
     if out.exists():
         return out
@@ -77,7 +85,7 @@ def _compile() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"compiling {SOURCE.name} failed:\n{e.stderr}") from None
