@@ -48,9 +48,11 @@ def append_text(tokenizer, seq: Sequence, final: bool = False) -> str:
     ids = seq.token_ids
     if (streaming := _stream(tokenizer, seq)) is not None:
         stream, rust = streaming
-        chunks = [stream.step(rust, token) for token in ids[seq.read_offset :]]
+        if len(ids) == seq.read_offset + 1:  # a decode step's one token
+            delta = stream.step(rust, ids[-1]) or ""
+        else:
+            delta = "".join(c for c in (stream.step(rust, t) for t in ids[seq.read_offset :]) if c is not None)
         seq.read_offset = len(ids)
-        delta = "".join(c for c in chunks if c is not None)
         seq.text += delta
         return delta
     skip = seq.params.skip_special_tokens

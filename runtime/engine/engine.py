@@ -226,25 +226,35 @@ class LLMEngine:
             return []
         now = time.time()
         touched: dict[str, Request] = {}
-        for i, seq in enumerate(targets):
-            if i in result.failed:  # this request's values broke its sampling: it fails alone
-                self._fail(seq, result.failed[i])
-                touched[seq.request.request_id] = seq.request
+        failed, token_ids, chosen = result.failed, result.token_ids, result.chosen_logprobs
+        rows_logprobs = result.logprobs
+        append, finished, waiting = self._append, Status.FINISHED, Status.WAITING
+        appended = 0
+        for i, seq in enumerate(targets):  # the hot loop of a step: plain attributes, no properties
+            request = seq.request
+            if failed and i in failed:  # this request's values broke its sampling: it fails alone
+                self._fail(seq, failed[i])
+                touched[request.request_id] = request
                 continue
-            if seq.finished:  # aborted while its batch was in the pipe
+            status = seq.status
+            if status is finished:  # aborted while its batch was in the pipe
                 continue
-            if seq.status is Status.WAITING and seq.index > 0 and not seq.block_table:
+            if status is waiting and seq.index > 0 and not seq.block_table:
                 self._fork(seq)
-            if seq.index == 0 and seq.num_output_tokens == 0:
+            if seq.index == 0 and len(seq.token_ids) == seq.num_prompt_tokens:
                 self.prompt_tokens += seq.num_prompt_tokens
-            logprobs = result.logprobs[i] if result.logprobs is not None else None
-            self._append(seq, result.token_ids[i], logprobs, result.chosen_logprobs[i] if logprobs is not None else 0.0)
-            self.generation_tokens += 1
-            touched[seq.request.request_id] = seq.request
+            if rows_logprobs is None:
+                append(seq, token_ids[i], None, 0.0)
+            else:
+                append(seq, token_ids[i], rows_logprobs[i], chosen[i])
+            appended += 1
+            touched[request.request_id] = request
+        self.generation_tokens += appended
         outputs = []
         for request in touched.values():
             m = request.metrics
-            m.first_token_time = m.first_token_time or now
+            if m.first_token_time is None:
+                m.first_token_time = now
             m.last_token_time = now
             if request.finished:
                 m.finished_time = now
@@ -294,10 +304,10 @@ class LLMEngine:
         if seq.logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprob
-        params = seq.params
+        params = seq.request.params
         # text each step only when someone reads it: stop strings, or outputs before the end
-        text_each_step = bool(params.stop) or params.output_kind != "final_only"
-        delta = detokenizer.append_text(self.tokenizer, seq) if text_each_step else ""
+        stop = params.stop
+        delta = detokenizer.append_text(self.tokenizer, seq) if stop or params.output_kind != "final_only" else ""
         if seq.matcher is not None:  # the grammar decides when the text ends (min_tokens, ignore_eos too)
             if not seq.matcher.accept_token(token):
                 self._finish(seq, "error", None)
@@ -306,14 +316,15 @@ class LLMEngine:
             if seq.matcher.is_terminated():
                 self._finish(seq, "stop", None)
                 return
-        may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and not params.ignore_eos and token in self.eos_ids:
-            self._finish(seq, "stop", None)
-        elif may_stop and token in params.stop_token_ids:
-            self._finish(seq, "stop", token)
-        elif may_stop and params.stop and (stop := detokenizer.find_stop(seq, delta)) is not None:
-            self._finish(seq, "stop", stop)
-        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or len(seq.token_ids) >= self.max_model_len:
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output >= params.min_tokens:  # it may stop
+            if not params.ignore_eos and token in self.eos_ids:
+                return self._finish(seq, "stop", None)
+            if token in params.stop_token_ids:
+                return self._finish(seq, "stop", token)
+            if stop and (matched := detokenizer.find_stop(seq, delta)) is not None:
+                return self._finish(seq, "stop", matched)
+        if (params.max_tokens is not None and num_output >= params.max_tokens) or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:

@@ -171,22 +171,28 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.forked and all(s.finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, asked each step: no generator
+            return self.params.n == 1 and seqs[0].status is Status.FINISHED
+        return self.forked and all(s.finished for s in seqs)
 
     def output(self) -> RequestOutput | None:
         """This step's output in the params' output_kind; None when that kind has nothing to say."""
         kind = self.params.output_kind
-        if kind == "final_only" and not self.finished:
+        finished = self.finished
+        if kind == "final_only" and not finished:
             return None
-        outputs = [s.output(delta=kind == "delta") for s in self.seqs]
+        delta = kind == "delta"
+        outputs = [s.output(delta) for s in self.seqs]
         prompt_logprobs = None if self._prompt_logprobs_sent else self.prompt_logprobs
-        self._prompt_logprobs_sent |= kind == "delta" and any(o is not None for o in outputs)
+        if delta and not self._prompt_logprobs_sent:
+            self._prompt_logprobs_sent = any(o is not None for o in outputs)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[o for o in outputs if o is not None],
-            finished=self.finished,
+            finished=finished,
             metrics=self.metrics,
             prompt_logprobs=prompt_logprobs,
         )
