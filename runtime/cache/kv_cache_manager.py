@@ -27,6 +27,8 @@ class KVCacheManager:
     def allocate(self, seq, num_tokens: int) -> bool:
         """Grow the sequence's table to hold `num_tokens` tokens; False (nothing taken) if it cannot."""
         need = self._blocks_needed(seq, num_tokens)
+        if need == 0:  # most decode steps: the last block has room
+            return True
         if need > self.pool.num_free:
             return False
         seq.block_table += self.pool.allocate(need)

@@ -77,6 +77,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_registered = 0  # full blocks already offered to the prefix cache
         self.status = Status.WAITING
+        self.order = None  # the scheduler's sort key (Scheduler.add)
         self.lane = 0  # which of the scheduler's lanes runs it (pipelining; see scheduler.py)
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None

@@ -16,6 +16,7 @@ fair share of the work, so the lanes stay about equally full. One lane is plain 
 from __future__ import annotations
 
 import bisect
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,9 @@ class ScheduledBatch:
         return seq.num_computed + num_new == len(seq.token_ids)
 
 
+_order = operator.attrgetter("order")  # the key Scheduler.add gave each sequence
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
                  num_lanes: int = 1):
@@ -49,7 +53,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
-        self.waiting: list[Sequence] = []  # sorted by order_key
+        self.waiting: list[Sequence] = []  # sorted by order_key (kept as seq.order)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -59,7 +63,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        bisect.insort(self.waiting, seq, key=self.order_key)
+        seq.order = self.order_key(seq)  # fixed while it is here; sorting reads it each step
+        bisect.insort(self.waiting, seq, key=_order)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -68,6 +73,7 @@ class Scheduler:
         """A sequence that starts running with its blocks already in place (an n > 1 sibling)."""
         seq.status = Status.RUNNING
         seq.lane = lane
+        seq.order = self.order_key(seq)
         self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -89,7 +95,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted = False
-        self.running.sort(key=self.order_key)
+        self.running.sort(key=_order)
         running = [s for s in self.running if s.lane == lane]
         share = -(-min(self.max_num_seqs, len(self.running) + len(self.waiting)) // self.num_lanes)
         i = 0

@@ -6,6 +6,8 @@ tensors and parameters (imports run downhill: engine -> executor -> layers).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -19,8 +21,13 @@ from shoal.runtime.layers.sampler import SamplingMetadata
 
 
 def pad_rows(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=torch.long)
+    """[len(rows), longest] int64, each row padded with `fill`: the values stream through
+    numpy in C (a nested list into torch.tensor costs ~50 ns a value, 256 block tables 0.15 ms)."""
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    width = max(1, int(lens.max()))
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    out[np.arange(width) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
+    return torch.from_numpy(out)
 
 
 def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None) -> StepInput:
@@ -62,11 +69,28 @@ def _column(values: list, dtype=torch.float32) -> torch.Tensor:
 
 
 def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int, structured=None) -> SamplingMetadata:
-    """The sampling rows' parameters as tensors: one row per sequence that samples this step."""
-    params = [s.params for s in seqs]
-    greedy = [p.greedy for p in params]
+    """The sampling rows' parameters as tensors: one row per sequence that samples this step.
+    One pass over the rows gathers what each option needs (a step may sample 256 rows)."""
+    params = [s.request.params for s in seqs]
+    greedy = [p.temperature < 1e-5 for p in params]  # SamplingParams.greedy, without the property call
     m = SamplingMetadata(temperature=_column([p.temperature for p in params]),
                          greedy=torch.tensor(greedy, dtype=torch.bool), all_greedy=all(greedy))
+    penalized = repeated = logprobs = False
+    bans: dict[int, list[int]] = {}  # min_tokens: EOS (unless ignored) and the stop ids cannot end it yet; bad_words
+    masked, biased = [], []
+    for row, (s, p) in enumerate(zip(seqs, params)):
+        request = s.request
+        if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
+            bans[row] = ([] if p.ignore_eos else eos_ids) + p.stop_token_ids
+        if request.bad_words and (words := bad_words.banned_now(request.bad_words, s.output_ids)):
+            bans[row] = bans.get(row, []) + words
+        if request.grammar is not None or request.allowed_mask is not None:
+            masked.append(row)
+        if p.logit_bias:
+            biased.extend((row, t, b) for t, b in p.logit_bias.items())
+        repeated |= p.repetition_penalty != 1.0
+        penalized |= bool(p.presence_penalty or p.frequency_penalty)
+        logprobs |= p.logprobs is not None
     if not m.all_greedy:
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         if any(k < vocab_size for k in top_k):
@@ -76,18 +100,13 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
         if any(p.min_p > 0 for p in params):
             m.min_p = _column([p.min_p for p in params])
         m.generators = {row: s.generator for row, s in enumerate(seqs) if s.generator is not None}
-    if any(p.repetition_penalty != 1.0 for p in params):
+    if repeated:
         m.repetition_penalty = _column([p.repetition_penalty for p in params])
         m.seen_ids = pad_rows([s.token_ids for s in seqs], fill=-1)
-    if any(p.presence_penalty or p.frequency_penalty for p in params):
+    if penalized:
         m.presence_penalty = _column([p.presence_penalty for p in params])
         m.frequency_penalty = _column([p.frequency_penalty for p in params])
         m.output_ids = pad_rows([s.output_ids for s in seqs], fill=-1)
-    # min_tokens: EOS (unless ignored) and the stop ids cannot end the sequence yet; bad_words
-    bans = {row: (([] if s.params.ignore_eos else eos_ids) + s.params.stop_token_ids if s.num_output_tokens < s.params.min_tokens else [])
-            + (bad_words.banned_now(s.request.bad_words, s.output_ids) if s.request.bad_words else [])
-            for row, s in enumerate(seqs)}
-    masked = [row for row, s in enumerate(seqs) if s.request.grammar is not None or s.request.allowed_mask is not None]
     if masked:  # grammar, allowed_token_ids, and those rows' bans: one packed bitmask (structured_output.py)
         m.token_bitmask = torch.full((len(seqs), num_words(vocab_size)), -1, dtype=torch.int32)
         grammar_rows = [row for row in masked if seqs[row].request.grammar is not None]
@@ -97,18 +116,17 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
         if grammar_rows:
             structured.fill([seqs[row].matcher for row in grammar_rows], m.token_bitmask, grammar_rows)
         for row in masked:
-            row_bans = bans.pop(row)
+            row_bans = bans.pop(row, [])
             if row_bans or seqs[row].request.allowed_mask is not None:
                 narrow_row(m.token_bitmask, row, seqs[row], vocab_size, row_bans)
     banned = [(row, t) for row, ids in bans.items() for t in ids]
     if banned:
         m.banned_rows = _column([r for r, _ in banned], torch.long)
         m.banned_ids = _column([t for _, t in banned], torch.long)
-    biased = [(row, t, b) for row, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     if biased:
         m.bias_rows = _column([r for r, _, _ in biased], torch.long)
         m.bias_ids = _column([t for _, t, _ in biased], torch.long)
         m.bias_values = _column([b for _, _, b in biased])
-    if any(p.logprobs is not None for p in params):
+    if logprobs:
         m.num_logprobs = [p.logprobs for p in params]
     return m
