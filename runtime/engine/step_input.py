@@ -20,48 +20,52 @@ from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.sampler import SamplingMetadata
 
 
-def pad_rows(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
+def _padded(rows: list[list[int]], fill: int = 0) -> np.ndarray:
     """[len(rows), longest] int64, each row padded with `fill`: the values stream through
     numpy in C (a nested list into torch.tensor costs ~50 ns a value, 256 block tables 0.15 ms)."""
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     width = max(1, int(lens.max()))
     out = np.full((len(rows), width), fill, dtype=np.int64)
     out[np.arange(width) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
-    return torch.from_numpy(out)
+    return out
+
+
+def pad_rows(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
+    return torch.from_numpy(_padded(rows, fill))
+
+
+def _long(values) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
 def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None) -> StepInput:
-    """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs."""
+    """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs. A
+    decode step of 256 rows is a few list comprehensions and numpy ops, no per-row arithmetic."""
     nd = batch.num_decodes
-    decodes = batch.seqs[:nd]
-    ids, pos, slots = [], [], []
-    for s in decodes:
-        p = s.num_computed
-        ids.append(s.token_ids[p])
-        pos.append(p)
-        slots.append(s.block_table[p // block_size] * block_size + p % block_size)
+    decodes, prefills, chunks = batch.seqs[:nd], batch.seqs[nd:], batch.num_new_tokens[nd:]
+    ids = [s.token_ids[s.num_computed] for s in decodes]
+    pos = np.fromiter((s.num_computed for s in decodes), dtype=np.int64, count=nd)
+    decode_tables = _padded([s.block_table for s in decodes]) if decodes else None
+    slots = [decode_tables[np.arange(nd), pos // block_size] * block_size + pos % block_size] if decodes else []
+    positions = [pos]
     starts = [0]
-    for s, n in zip(batch.seqs[nd:], batch.num_new_tokens[nd:]):
+    for s, n in zip(prefills, chunks):
         p = np.arange(s.num_computed, s.num_computed + n)
-        table = np.asarray(s.block_table)
         ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
-        pos.extend(p.tolist())
-        slots.extend((table[p // block_size] * block_size + p % block_size).tolist())
+        positions.append(p)
+        slots.append(np.asarray(s.block_table)[p // block_size] * block_size + p % block_size)
         starts.append(starts[-1] + n)
-    prefills = batch.seqs[nd:]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)) if slots else _long([]),
         num_decode_tokens=nd,
-        decode_block_tables=pad_rows([s.block_table for s in decodes]) if decodes and decode_plan is None else None,
-        decode_context_lens=torch.tensor([s.num_computed + 1 for s in decodes], dtype=torch.long) if decodes else None,
+        decode_block_tables=torch.from_numpy(decode_tables) if decodes and decode_plan is None else None,
+        decode_context_lens=torch.from_numpy(pos + 1) if decodes else None,
         prefill_block_tables=pad_rows([s.block_table for s in prefills]) if prefills else None,
-        prefill_query_start_loc=torch.tensor(starts, dtype=torch.long) if prefills else None,
-        prefill_context_lens=torch.tensor([s.num_computed + n for s, n in zip(prefills, batch.num_new_tokens[nd:])], dtype=torch.long)
-        if prefills
-        else None,
+        prefill_query_start_loc=_long(starts) if prefills else None,
+        prefill_context_lens=_long([s.num_computed + n for s, n in zip(prefills, chunks)]) if prefills else None,
         decode_plan=decode_plan,
     )
-    return StepInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(sample_rows, dtype=torch.long))
+    return StepInput(_long(ids), torch.from_numpy(np.concatenate(positions)), meta, _long(sample_rows))
 
 
 def _column(values: list, dtype=torch.float32) -> torch.Tensor:
