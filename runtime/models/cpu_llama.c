@@ -442,6 +442,10 @@ static void attention(Worker *w, int64_t layer) {
         }
         const int64_t *table = s->block_tables + b * s->max_blocks;
         const float *keys = k_cache + kh * m->num_blocks * bs * d, *values = v_cache + kh * m->num_blocks * bs * d;
+        if (item + 1 < i1) { /* the next item's first key block, which would otherwise start cold */
+            int64_t nb = (item + 1) / kvh, nkh = (item + 1) % kvh;
+            prefetch(k_cache + (nkh * m->num_blocks + s->block_tables[nb * s->max_blocks]) * bs * d, bs * d);
+        }
         attend_head_group(q, keys, values, table, bs, ctx, g, d, (float)m->scale, w->scores, dec->attn + b * h * d + kh * g * d);
     }
 }
