@@ -17,15 +17,17 @@ turn ready; past the bound, 503 + Retry-After.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import itertools
 import logging
 import time
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shoal.runtime.entrypoints.errors import RETRY_AFTER_S, dumps, error_response, install_handlers
 from shoal.runtime.router import picker
@@ -54,20 +56,26 @@ class Router:
         self.metrics = RouterMetrics()
         self.num_pending = 0
         self._rr = itertools.count()
-        self.client: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
         backends.on_change = lambda b: self.metrics.backend_polled(b, picker.load(b.view()))
         backends.on_forget = self.metrics.forget
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        # no read timeout: a non-streamed completion sends nothing until it is done
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0), limits=limits)
+        # aiohttp, not httpx, for the hop: its request path costs a fraction of httpx's, which
+        # was most of the router's added latency (measured in docs/router.md).
+        # No read timeout: a non-streamed completion sends nothing until it is done. Bytes pass
+        # as they are (no decompression) and the client's headers go as the client sent them.
+        self.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=None),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar())
         await self.backends.start()
 
     async def stop(self) -> None:
         await self.backends.stop()
         if self.client is not None:
-            await self.client.aclose()
+            await self.client.close()
         self.hasher.close()
 
     # -- the choice --------------------------------------------------------------------------
@@ -172,38 +180,38 @@ class Router:
         done = False
         resp = None
         try:
-            req = self.client.build_request(method, b.url + target, headers=headers, content=body)
-            resp = await self.client.send(req, stream=True)
-            if resp.status_code == 503:
-                data = await resp.aread()
+            resp = await self.client.request(method, b.url + target, headers=headers, data=body or None,
+                                             allow_redirects=False, compress=None)
+            if resp.status == 503:
+                data = await resp.read()
                 return Response(data, 503, headers=_pass_headers(resp.headers, b))
-            chunks = resp.aiter_raw()
+            chunks = resp.content.iter_any()
             try:
                 head = await chunks.__anext__()  # the first byte decides: before it, another backend may try
             except StopAsyncIteration:
                 head = b""
-            if hashes and resp.status_code == 200:
+            if hashes and resp.status == 200:
                 b.expect(hashes)
             done = True
             return _Relay(b, resp, head, chunks, _pass_headers(resp.headers, b))
-        except httpx.TransportError as e:
-            self.backends.mark_down(b, f"{type(e).__name__}: {e}" if isinstance(e, httpx.ConnectError)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            self.backends.mark_down(b, f"{type(e).__name__}: {e}" if resp is None
                                     else f"failed before the first byte: {type(e).__name__}")
             return None
         finally:
             if not done:
                 b.in_flight -= 1
                 if resp is not None:
-                    await resp.aclose()
+                    resp.close()
 
 
 class _Relay(StreamingResponse):
     """The backend's response, passed through as it comes; the backend's request slot and
     connection are given back once, however the relay ends (done, client gone, never sent)."""
 
-    def __init__(self, b: Backend, resp: httpx.Response, head: bytes, chunks, headers: dict):
+    def __init__(self, b: Backend, resp: aiohttp.ClientResponse, head: bytes, chunks, headers: dict):
         self._backend, self._resp, self._released = b, resp, False
-        super().__init__(self._body(head, chunks), resp.status_code, headers=headers)
+        super().__init__(self._body(head, chunks), resp.status, headers=headers)
 
     async def _body(self, head: bytes, chunks):
         try:
@@ -218,7 +226,7 @@ class _Relay(StreamingResponse):
         if not self._released:
             self._released = True
             self._backend.in_flight -= 1
-            await self._resp.aclose()
+            self._resp.release()  # read to its end: the connection goes back to the pool
 
     async def __call__(self, scope, receive, send):
         try:
@@ -227,7 +235,7 @@ class _Relay(StreamingResponse):
             await self._release()
 
 
-def _pass_headers(h: httpx.Headers, b: Backend) -> dict:
+def _pass_headers(h, b: Backend) -> dict:
     out = {k: v for k, v in h.items() if k.lower() not in HOP and k.lower() not in ("x-request-id", "date", "server")}
     out["x-shoal-backend"] = b.name  # which group answered (logs, tests)
     return out
@@ -290,3 +298,30 @@ def build_app(router: Router) -> FastAPI:
                           ("/version", ["GET"]), ("/load", ["GET"])):
         app.add_api_route(path, forward, methods=methods, include_in_schema=False)
     return app
+
+
+FORWARDED = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/tokenize"),
+             ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/load")}
+
+
+class HotPath:
+    """ASGI: the forwarded requests go straight to Router.handle, every other request to the
+    FastAPI app (whose same routes still answer 405 for a wrong method). FastAPI's routing,
+    dependency solving and exception layers cost ~0.5 ms a request, a quarter of what the
+    hop may add (docs/router.md); a forwarded request needs none of them."""
+
+    def __init__(self, app: FastAPI, router: Router):
+        self.app, self.router = app, router
+
+    async def __call__(self, scope, receive, send):
+        method, path = scope.get("method"), scope.get("path", "")
+        if scope["type"] != "http" or not ((method, path) in FORWARDED or (method == "GET" and path.startswith("/v1/models/"))):
+            return await self.app(scope, receive, send)
+        try:
+            response = await self.router.handle(Request(scope, receive))
+        except StarletteHTTPException as e:  # the guard's body cap, met while reading
+            response = error_response(e.status_code, str(e.detail), code="request_too_large" if e.status_code == 413 else None)
+        except Exception:  # noqa: BLE001 - a bug of ours: a 500 in OpenAI's shape, the router goes on
+            logger.exception("router: %s %s failed", method, path)
+            response = error_response(500, "the router failed on this request", "internal_error")
+        await response(scope, receive, send)

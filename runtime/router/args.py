@@ -45,7 +45,7 @@ def run(args) -> int:
 
     from shoal.runtime.entrypoints.logs import configure_logging
     from shoal.runtime.entrypoints.middleware import GuardMiddleware
-    from shoal.runtime.router.app import Router, build_app
+    from shoal.runtime.router.app import HotPath, Router, build_app
     from shoal.runtime.router.backends import Backends
     from shoal.runtime.router.hashing import PromptHasher
 
@@ -60,7 +60,7 @@ def run(args) -> int:
     router = Router(backends, hasher, prefix_weight=args.prefix_weight, load_weight=args.load_weight, policy=args.policy,
                     session_header=args.session_header, max_pending=args.max_pending, pending_timeout=args.pending_timeout,
                     max_body_bytes=args.max_body_bytes)
-    app = GuardMiddleware(build_app(router), None, args.max_body_bytes)
+    app = GuardMiddleware(HotPath(build_app(router), router), None, args.max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
                             access_log=os.environ.get("SHOAL_ACCESS_LOG", "1") != "0", lifespan="on", ws="none",
                             timeout_graceful_shutdown=30, timeout_keep_alive=5, backlog=4096)
