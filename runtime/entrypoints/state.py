@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -18,8 +19,9 @@ logger = logging.getLogger("shoal.server")
 class ServerState:
     def __init__(self, config, *, api_key: str | None = None, max_waiting: int = 512, stall_timeout: float = 60.0, drain_timeout: float = 30.0, max_body_bytes: int = 8 * 2**20, engine_factory=None,
                  chat_template: str | None = None, max_logprobs: int = 20, log_stats_interval: float = 10.0,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False):
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, freeze_gc: bool = False):
         self.config = config
+        self.freeze_gc = freeze_gc  # `shoal serve`: the process serves this one engine for its life
         self.tool_call_parser, self.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice  # docs/tools.md
         self.chat_template = chat_template
         self.max_logprobs = max_logprobs
@@ -97,6 +99,13 @@ class ServerState:
         if self.chat_template:
             e.tokenizer.chat_template = self.chat_template
         logger.info("model %s ready: max_model_len %s", self.model_name, e.max_model_len)
+        if self.freeze_gc:
+            # Everything start-up made (torch, transformers, the tokenizer: ~300k objects) goes
+            # to the permanent generation, which collections never walk: a full collection in
+            # the steady state took 124 ms, a stall of every running stream, and 6 ms after
+            # this (as vLLM does). Only cyclic garbage among these objects would leak.
+            gc.collect()
+            gc.freeze()
 
     # -- tokens ---------------------------------------------------------------------------
     def tok_str(self, token_id: int) -> str:
