@@ -219,10 +219,40 @@ def profile_steps(engine, device: torch.device, num_steps: int, trace_path: str 
     return analyze_trace(json.loads(raw), num_steps)
 
 
+def _max_tokens(warmup_steps: int, steps: int, profile: int, prompt_len: int) -> int:
+    """Enough that nobody finishes while we measure: warm-up, timed, back to back twice, profiled."""
+    return warmup_steps + 3 * steps + profile + 64 + prompt_len
+
+
+def _back_to_back(engine, device, steps: int) -> float:
+    """ms a step over `steps` steps run back to back, one sync at the end: what a step costs
+    when the host may run ahead of the device (async scheduling hides host time only here)."""
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(device)
+    return (time.perf_counter() - t) * 1e3 / steps
+
+
+def _back_to_back_by_mode(engine, device, steps: int) -> dict[str, float]:
+    """Back-to-back ms a step with async scheduling as configured and, where the engine can
+    overlap, the other way too, on the same engine. Rounds of steps/2 in the order A B B A:
+    contexts grow every step, and so does a step's cost, a drift this order cancels."""
+    configured = engine.overlap
+    modes = [configured, not configured] if engine.executor.overlaps_steps and engine.num_lanes == 1 else [configured]
+    times: dict[bool, list[float]] = {m: [] for m in modes}
+    for m in modes + modes[::-1]:
+        engine.set_async_scheduling(m)
+        times[m].append(_back_to_back(engine, device, max(1, steps // 2)))
+    engine.set_async_scheduling(configured)
+    return {"async" if m else "serial": statistics.fmean(t) for m, t in times.items()}
+
+
 def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_steps: int = 3, steps: int = 20,
                    profile: int = 10, trace_path: str | None = None, seed: int = 0) -> dict:
     device = torch.device(engine.config.device)
-    max_tokens = warmup_steps + 2 * steps + profile + 64 + prompt_len  # nobody finishes while we measure
+    max_tokens = _max_tokens(warmup_steps, steps, profile, prompt_len)
     fill(engine, num_seqs, prompt_len, max_tokens, seed)
     t = time.perf_counter()
     reached, running = reach_steady_decode(engine, num_seqs, prompt_len, max_steps=4 * num_seqs * max(1, prompt_len) + 64)
@@ -244,14 +274,8 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
             step_ms.append(elapsed * 1e3)
             model_ms.append(inside * 1e3)
             tokens.append(engine.stats().generation_tokens - generated)
-        # the same number of steps back to back, one sync at the end: what a step costs when the
-        # host may run ahead of the device (overlapped scheduling hides host time only here)
-        _sync(device)
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync(device)
-        back_to_back_ms = (time.perf_counter() - t) * 1e3 / steps
+        by_mode = _back_to_back_by_mode(engine, device, steps)
+        back_to_back_ms = by_mode["async" if engine.overlap else "serial"]
         running_after = engine.stats().num_running
     finally:
         timer.close()
@@ -269,6 +293,8 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
         "decode_only": all(n == num_seqs for n in tokens),
         "step_ms": _summary(step_ms),
         "back_to_back_ms_per_step": back_to_back_ms,
+        "async_scheduling": engine.overlap,
+        "back_to_back_ms_per_step_by_mode": by_mode,  # async scheduling on and off
         "model_call_ms": _summary(model_ms),
         "host_ms": _summary([s - m for s, m in zip(step_ms, model_ms)]),
         "torch_threads": torch.get_num_threads(),
@@ -310,7 +336,7 @@ def step(args) -> int:
         args.model = str(bench_models.make_random_model(preset, dtype=dtype, device=args.device or "cpu"))
     if args.max_num_seqs is None:
         args.max_num_seqs = max(args.num_seqs, 256)
-    max_tokens = args.warmup_steps + 2 * args.steps + args.profile_steps + 64 + args.prompt_len
+    max_tokens = _max_tokens(args.warmup_steps, args.steps, args.profile_steps, args.prompt_len)
     if args.kv_cache_memory is None and (args.device or "cpu") == "cpu":
         from shoal.runtime.models.loader import resolve_model
 
@@ -343,6 +369,11 @@ def format_result(r: dict) -> str:
         f"  model call  {m['median']:8.2f} ms median (inside the executor's execute)",
         f"  host        {h['median']:8.2f} ms median (step - model call)",
     ]
+    modes = r.get("back_to_back_ms_per_step_by_mode") or {}
+    if len(modes) == 2:
+        lines.append(f"  back to back: async scheduling {modes['async']:.2f} ms a step, serial {modes['serial']:.2f} ms "
+                     f"({modes['serial'] / modes['async']:.2f}x); this run's engine: "
+                     f"{'async' if r.get('async_scheduling') else 'serial'}")
     p = r.get("profile")
     if "profile_error" in r:
         lines.append(f"  profile failed: {r['profile_error']}")

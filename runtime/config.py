@@ -36,6 +36,9 @@ class EngineConfig:
     # GPU, one process: decode-only steps replay CUDA graphs captured at start-up (vLLM's
     # default); True runs every step eagerly.
     enforce_eager: bool = False
+    # Schedule and prepare step N+1 while the device runs step N, its input tokens filled in on
+    # the device (vLLM's --async-scheduling). None: on where it pays, a GPU in one process.
+    async_scheduling: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -106,3 +109,5 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batches-in-flight", type=int, help="pipeline parallel: batches in the pipe at once (default: one per stage)")
     g.add_argument("--cpu-decode-max-seqs", type=int, help=f"CPU: decode steps of up to this many sequences run in C, 0: off (default: {d.cpu_decode_max_seqs})")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="GPU: no CUDA graphs; every step runs eagerly (default: off)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step while the device runs the previous one (default: on for one GPU process, else off)")

@@ -411,6 +411,10 @@ def markdown(summary: dict) -> str:
                          f"{st['step_ms']['median']:.2f} ms synchronized, {st['back_to_back_ms_per_step']:.2f} ms back to "
                          f"back (model call {st['model_call_ms']['median']:.2f} ms, outside it "
                          f"{st['host_ms']['median']:.2f} ms)", "≤4 ms"))
+            modes = st.get("back_to_back_ms_per_step_by_mode") or {}
+            if len(modes) == 2:
+                rows.append(("back to back: async scheduling / serial (same engine, same run)",
+                             f"{modes['async']:.2f} / {modes['serial']:.2f} ms a step ({modes['serial'] / modes['async']:.2f}x)", ""))
             if "profile_error" in st:
                 rows.append(("profile", f"failed: {st['profile_error']}"[:200], ""))
             if prof:

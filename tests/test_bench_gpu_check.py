@@ -129,6 +129,9 @@ def test_bench_step_tiny_reports_sane_json(tmp_path, monkeypatch):
     assert r["decode_only"] and r["tokens_per_step"]["min"] == r["tokens_per_step"]["max"] == 24
     assert r["steps"] == 4 and r["step_ms"]["median"] > 0 and r["model_call_ms"]["median"] > 0
     assert r["host_ms"]["median"] > 0 and r["step_ms"]["median"] >= r["model_call_ms"]["median"]
+    assert not r["async_scheduling"], "off by default on a CPU"
+    assert set(r["back_to_back_ms_per_step_by_mode"]) == {"async", "serial"}, "both modes, same engine"
+    assert r["back_to_back_ms_per_step_by_mode"]["serial"] == r["back_to_back_ms_per_step"]
     prof = r["profile"]
     assert prof["steps"] == prof["marked_steps"] == 2 and prof["wall_ms_per_step"] > 0 and prof["host_busy_ms_per_step"] > 0
     assert prof["device_kernel_ms_per_step"] == 0 and prof["per_step"]["h2d_copies"] == 0  # CPU: no device events

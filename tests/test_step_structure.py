@@ -24,20 +24,23 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory, builtin_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "async-scheduling"])
+def engine(request, tmp_path_factory, builtin_dir):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny"), builtin_dir, vocab_size=512)
-    llm = LLM(str(path), kv_cache_memory=2**24, attention_backend="torch", cpu_decode_max_seqs=0, max_num_seqs=64)
+    llm = LLM(str(path), kv_cache_memory=2**24, attention_backend="torch", cpu_decode_max_seqs=0, max_num_seqs=64,
+              async_scheduling=request.param)
     runner = llm.engine.executor
     runner.staging = Staging(torch.device("cpu"))  # pack and "send" exactly as on a GPU
     return llm.engine
 
 
 def decode_step_counts(engine, batch: int, monkeypatch) -> tuple[int, int, dict]:
-    # mixed sampling parameters on purpose: greedy and sampled rows, penalties, min_tokens, a seed
+    # mixed sampling parameters on purpose: greedy and sampled rows, penalties (not with async
+    # scheduling, where they make each step wait for the last), min_tokens, a seed
+    penalty = not engine.overlap
     for i in range(batch):
         params = SamplingParams(max_tokens=40, min_tokens=20, temperature=0.0 if i % 3 == 0 else 0.8, top_k=50,
-                                top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2,
+                                top_p=0.9, repetition_penalty=1.1 if penalty else 1.0, presence_penalty=0.2 * penalty,
                                 seed=7 if i == 1 else None, logprobs=2 if i % 4 == 0 else None)
         engine.add_request(f"b{batch}-{i}", [5 + i, 6, 7, 8, 9], params)
     while engine.scheduler.waiting or any(s.num_computed < len(s.token_ids) - 1 for s in engine.scheduler.running):

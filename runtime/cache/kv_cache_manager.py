@@ -49,7 +49,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, seq) -> None:
         """Offer the sequence's newly filled blocks to the prefix cache."""
-        full = seq.num_computed // self.block_size
+        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size  # hashes need the tokens, not only their KV
         if self.pool.enable_prefix_caching and full > seq.num_registered:
             seq.block_hashes = block_hashes(seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes[:full])
             for b in range(seq.num_registered, full):

@@ -6,6 +6,9 @@ out the next batch of the same scheduler lane (scheduler.py) before returning. A
 computed counts and prefix blocks are booked when it is handed out, which is safe
 because every stage runs the batches in the order they were sent.
 
+With async scheduling (one process, on by default on a GPU) the engine keeps one step in
+flight the same way: it launches step N+1, then reads step N's tokens (_step_overlapped).
+
 Not thread-safe: one thread calls every method (the async server runs it in its own).
 """
 
@@ -26,7 +29,7 @@ from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from shoal.runtime.executor.executor import make_executor
 from shoal.runtime.engine.structured_output import StructuredOutputs, pack_ids
 from shoal.runtime.engine.step_input import pad_rows, prepare, sampling_metadata
-from shoal.runtime.layers.sampler import SampleResult
+from shoal.runtime.layers.sampler import Finished, SampleResult
 from shoal.runtime.models.loader import load_config, load_tokenizer, resolve_model
 from shoal.runtime.sampling_params import SamplingParams
 
@@ -65,6 +68,11 @@ class InFlight:
     targets: list[Sequence]  # who samples from the batch's logits rows, in order
     pending: object  # the executor's PendingStep: .result() waits for the sampled tokens
     scoring: PromptScoring | None = None  # its prompt rows (prompt_logprobs), scored beside
+    overlappable: bool = True  # the next step may be scheduled before its tokens are read
+
+    def rows(self) -> dict[Sequence, int]:
+        """Each target's row in the batch's sampled tokens."""
+        return {seq: i for i, seq in enumerate(self.targets)}
 
 
 def batches_in_flight(config: EngineConfig, executor) -> int:
@@ -72,6 +80,17 @@ def batches_in_flight(config: EngineConfig, executor) -> int:
     if not executor.pipelined:
         return 1
     return config.batches_in_flight or config.pipeline_parallel_size
+
+
+def async_scheduling(asked: bool | None, executor, num_lanes: int) -> bool:
+    """Whether each step is scheduled before the previous one's tokens are read: as asked, by
+    default where the device runs behind the host (a GPU, one process). On a CPU it gains
+    nothing (the same cores run both halves), but it works the same."""
+    able = executor.overlaps_steps and num_lanes == 1
+    if asked and not able:
+        raise ValueError("async scheduling needs one process and one batch in flight "
+                         "(not tensor or pipeline parallelism, nor --batches-in-flight > 1)")
+    return able and (executor.pipelined if asked is None else asked)
 
 
 class LLMEngine:
@@ -100,6 +119,7 @@ class LLMEngine:
                                    config.scheduling_policy, self.num_lanes)
         self._lane = 0
         self._in_flight: dict[int, InFlight] = {}  # lane -> its batch in the pipe
+        self.overlap = async_scheduling(config.async_scheduling, self.executor, self.num_lanes)
         capacity = num_blocks * self.block_size
         if model_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache's %d tokens; capping it", model_len, capacity)
@@ -147,12 +167,15 @@ class LLMEngine:
         if params.prompt_logprobs is not None and not self.executor.scores_prompts:
             raise ValueError("prompt_logprobs is not supported with tensor or pipeline parallelism")
         request = Request(request_id, text, ids, params, arrival_time or time.time(), device=self.sampling_device)
+        request.max_len = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens, self.max_model_len)
         if params.structured_outputs is not None:
             request.grammar = self.structured.compile(params.structured_outputs)  # cached when the server compiled it
         if params.allowed_token_ids:
             request.allowed_mask = pack_ids(params.allowed_token_ids, self.vocab_size)
         if params.bad_words:
             request.bad_words = bad_words.token_sequences(self.tokenizer, params.bad_words)
+        request.needs_history = bool(request.grammar is not None or request.bad_words or params.repetition_penalty != 1.0
+                                     or params.presence_penalty or params.frequency_penalty)
         detokenizer.start(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -167,6 +190,14 @@ class LLMEngine:
                 self.scheduler.remove(seq)  # its blocks may still be written by a batch in the pipe: harmless, in order
         if not self.requests:
             self._drain()
+
+    def set_async_scheduling(self, on: bool) -> list[RequestOutput]:
+        """Turn async scheduling on or off between steps (a benchmark compares both in one
+        run). Returns the outputs of the step still in flight, which it reads back first."""
+        on = async_scheduling(on, self.executor, self.num_lanes)
+        outputs = self._collect_in_flight(0) if self.overlap and self._in_flight else []
+        self.overlap = on
+        return outputs
 
     def group_ready(self) -> bool:
         """Every rank of the model's group joined, loaded and alive."""
@@ -188,26 +219,58 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.overlap:
+            return self._step_overlapped()
         lane, self._lane = self._lane, (self._lane + 1) % self.num_lanes
         outputs = self._collect_in_flight(lane) if lane in self._in_flight else []
         batch = self.scheduler.schedule(lane)
         if batch:
-            plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
-            rows, targets = self._sample_targets(batch)
-            step = prepare(batch, rows, self.block_size, plan)
-            step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured) if targets else None
-            scoring = prompt_scoring(batch)
-            step.prompt_logprobs = scoring.rows if scoring else None
+            flight = self._launch(batch)
             if self.num_lanes > 1:
-                self._in_flight[lane] = InFlight(targets, self.executor.execute_async(step), scoring)
-                self.scheduler.after_step(batch)
+                self._in_flight[lane] = flight
             else:
-                sampled = self.executor.execute(step)
-                self.scheduler.after_step(batch)
-                outputs = self._collect(targets, sampled, scoring)
+                outputs = self._collect_flight(flight)
         if not self.requests:
             self._drain()
         return outputs
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Async scheduling (vLLM's): step N+1 is scheduled, prepared and launched before step
+        N's tokens are read, so the host's work runs while the device computes. A sequence in
+        step N decodes in N+1 the token N is still sampling (Sequence.num_pending), filled in
+        on the device; one that N ends has its N+1 row wasted and dropped. A batch whose
+        sampling reads the tokens so far (penalties, bad words, a grammar) is read back first."""
+        prev = self._in_flight.pop(0, None)
+        outputs = []
+        if prev is not None and not prev.overlappable:
+            outputs, prev = self._collect_flight(prev), None
+        batch = self.scheduler.schedule()
+        if batch:
+            self._in_flight[0] = self._launch(batch, prev)
+        if prev is not None:
+            outputs = self._collect_flight(prev)  # waits for step N only; N+1 is queued behind it
+        if not self.requests:
+            self._drain()
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, prev: InFlight | None = None) -> InFlight:
+        """Prepare a scheduled batch and hand it to the executor; its computed counts are
+        booked at once. `prev`: the step still in flight whose tokens this one reads."""
+        plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
+        rows, targets = self._sample_targets(batch)
+        step = prepare(batch, rows, self.block_size, plan, prev.rows() if prev is not None else None)
+        step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured) if targets else None
+        scoring = prompt_scoring(batch)
+        step.prompt_logprobs = scoring.rows if scoring else None
+        if self.num_lanes > 1 or self.overlap:
+            pending = self.executor.execute_async(step)
+        else:
+            pending = Finished(self.executor.execute(step))
+        self.scheduler.after_step(batch)
+        for seq in targets:
+            seq.num_pending += 1
+        overlappable = not self.overlap or not any(seq.request.needs_history for seq in targets)
+        return InFlight(targets, pending, scoring, overlappable)
 
     def _drain(self) -> None:
         """Nothing left to serve: wait for what is still in the pipe (all of it finished or aborted)."""
@@ -215,7 +278,9 @@ class LLMEngine:
             self._collect_in_flight(next(iter(self._in_flight)))
 
     def _collect_in_flight(self, lane: int) -> list[RequestOutput]:
-        flight = self._in_flight.pop(lane)
+        return self._collect_flight(self._in_flight.pop(lane))
+
+    def _collect_flight(self, flight: InFlight) -> list[RequestOutput]:
         return self._collect(flight.targets, flight.pending.result(), flight.scoring)
 
     def _collect(self, targets: list[Sequence], result: SampleResult | None, scoring: PromptScoring | None = None) -> list[RequestOutput]:
@@ -228,9 +293,10 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         failed, token_ids, chosen = result.failed, result.token_ids, result.chosen_logprobs
         rows_logprobs = result.logprobs
-        append, finished, waiting = self._append, Status.FINISHED, Status.WAITING
+        append, finished = self._append, Status.FINISHED
         appended = 0
         for i, seq in enumerate(targets):  # the hot loop of a step: plain attributes, no properties
+            seq.num_pending -= 1
             request = seq.request
             if failed and i in failed:  # this request's values broke its sampling: it fails alone
                 self._fail(seq, failed[i])
@@ -239,7 +305,7 @@ class LLMEngine:
             status = seq.status
             if status is finished:  # aborted while its batch was in the pipe
                 continue
-            if status is waiting and seq.index > 0 and not seq.block_table:
+            if seq.awaits_fork:
                 self._fork(seq)
             if seq.index == 0 and len(seq.token_ids) == seq.num_prompt_tokens:
                 self.prompt_tokens += seq.num_prompt_tokens
@@ -283,6 +349,7 @@ class LLMEngine:
             if not request.forked:
                 for index in range(1, request.params.n):
                     child = Sequence(request, index, request.prompt_token_ids)
+                    child.awaits_fork = True
                     detokenizer.start(child)
                     request.seqs.append(child)
                     rows.append(end - 1)
@@ -290,6 +357,7 @@ class LLMEngine:
         return rows, targets
 
     def _fork(self, child: Sequence) -> None:
+        child.awaits_fork = False
         parent = child.request.seqs[0]
         if parent.finished or not self.kv.can_fork(parent):
             self.scheduler.add(child)  # no blocks to share: recompute the prompt later

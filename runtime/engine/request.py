@@ -73,6 +73,10 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = request.num_prompt_tokens
         self.num_computed = 0
+        # tokens sampled by a step still in flight, not yet in token_ids (async scheduling
+        # schedules the next step before they are read back: docs/engine.md)
+        self.num_pending = 0
+        self.awaits_fork = False  # an n > 1 sibling made when the prompt completed, before its blocks
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.num_registered = 0  # full blocks already offered to the prefix cache
@@ -155,6 +159,10 @@ class Request:
     grammar: object = None  # the compiled grammar of params.structured_outputs (structured_output.py)
     allowed_mask: object = None  # params.allowed_token_ids as a packed int32 bitmask row
     bad_words: list[list[int]] | None = None  # params.bad_words as token sequences
+    max_len: int = 1 << 62  # its sequences end at this many tokens (max_tokens, the context): LLMEngine sets it
+    # its sampling reads the tokens so far (penalties, bad words, a grammar), so a step cannot
+    # be scheduled before the previous one's tokens are back (async scheduling)
+    needs_history: bool = False
 
     def __post_init__(self):
         self.metrics = RequestMetrics(self.arrival_time)

@@ -5,6 +5,10 @@ ones are admitted — prefill chunked to whatever budget is left, starting after
 prefix-cache hit. When KV blocks run out, the lowest-priority, latest-arrived running
 sequence is preempted: its blocks are freed and it is recomputed later.
 
+With async scheduling (one lane) a step is scheduled while the previous one runs: a
+sequence's tokens in flight (`num_pending`) count as known, so it decodes the token the
+device is still sampling, which the model runner fills in on the device.
+
 Lanes (vLLM V0's "virtual engines") let a pipeline keep several batches in flight: each
 running sequence belongs to one lane, a step schedules one lane, and the engine schedules
 a lane again only once its previous batch is back. So no sequence is ever in two batches
@@ -38,8 +42,8 @@ class ScheduledBatch:
         return bool(self.seqs)
 
     def samples(self, seq: Sequence, num_new: int) -> bool:
-        """Whether this step computes the sequence's last known token (so it samples)."""
-        return seq.num_computed + num_new == len(seq.token_ids)
+        """Whether this step computes the sequence's last token, known or still in flight (so it samples)."""
+        return seq.num_computed + num_new == len(seq.token_ids) + seq.num_pending
 
 
 _order = operator.attrgetter("order")  # the key Scheduler.add gave each sequence
@@ -101,7 +105,10 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
+            if seq.num_pending and len(seq.token_ids) + seq.num_pending >= seq.request.max_len:
+                i += 1  # its tokens in flight end it (max_tokens, the context): nothing left to compute
+                continue
+            num_new = min(len(seq.token_ids) + seq.num_pending - seq.num_computed, budget)
             allocated = self.kv.allocate(seq, seq.num_computed + num_new)
             while not allocated and running[-1] is not seq:
                 self._preempt(running.pop())
@@ -119,6 +126,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and len(running) < share):
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token in flight: it is recomputed once the token lands
+                break
             if not seq.block_table and not seq.scores_prompt:  # prompt_logprobs: every position is computed
                 self.kv.reuse_prefix(seq)
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)

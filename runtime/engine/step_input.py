@@ -38,12 +38,16 @@ def _long(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
-def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None) -> StepInput:
+def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None,
+            prev_rows: dict | None = None) -> StepInput:
     """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs. A
-    decode step of 256 rows is a few list comprehensions and numpy ops, no per-row arithmetic."""
+    decode step of 256 rows is a few list comprehensions and numpy ops, no per-row arithmetic.
+    A decode whose token is still in flight (async scheduling) gets a placeholder and a
+    `fill_rows` entry naming its row in the previous step's sampled tokens (`prev_rows`)."""
     nd = batch.num_decodes
     decodes, prefills, chunks = batch.seqs[:nd], batch.seqs[nd:], batch.num_new_tokens[nd:]
-    ids = [s.token_ids[s.num_computed] for s in decodes]
+    ids = [0 if s.num_pending else s.token_ids[s.num_computed] for s in decodes]
+    fill = [(i, prev_rows[s]) for i, s in enumerate(decodes) if s.num_pending] if prev_rows else None
     pos = np.fromiter((s.num_computed for s in decodes), dtype=np.int64, count=nd)
     decode_tables = _padded([s.block_table for s in decodes]) if decodes else None
     slots = [decode_tables[np.arange(nd), pos // block_size] * block_size + pos % block_size] if decodes else []
@@ -65,7 +69,10 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, deco
         prefill_context_lens=_long([s.num_computed + n for s, n in zip(prefills, chunks)]) if prefills else None,
         decode_plan=decode_plan,
     )
-    return StepInput(_long(ids), torch.from_numpy(np.concatenate(positions)), meta, _long(sample_rows))
+    step = StepInput(_long(ids), torch.from_numpy(np.concatenate(positions)), meta, _long(sample_rows))
+    if fill:
+        step.fill_rows = _long(fill).T.contiguous()
+    return step
 
 
 def _column(values: list, dtype=torch.float32) -> torch.Tensor:
@@ -84,7 +91,7 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
     masked, biased = [], []
     for row, (s, p) in enumerate(zip(seqs, params)):
         request = s.request
-        if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
+        if p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
             bans[row] = ([] if p.ignore_eos else eos_ids) + p.stop_token_ids
         if request.bad_words and (words := bad_words.banned_now(request.bad_words, s.output_ids)):
             bans[row] = bans.get(row, []) + words

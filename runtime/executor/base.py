@@ -12,6 +12,9 @@ class Executor(abc.ABC):
     methods; the rest have the single-process answer."""
 
     pipelined = False  # whether steps may be in flight at once (execute_async returns early)
+    # whether it fills a step's input ids from the previous step's tokens on the device
+    # (StepInput.fill_rows), so the engine may schedule a step before reading the last one
+    overlaps_steps = False
     scores_prompts = False  # whether it fills a StepInput's prompt_logprobs rows (executor/prompt_logprobs.py)
 
     @abc.abstractmethod

@@ -39,10 +39,14 @@ class StepInput:
     sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
     sampling: SamplingMetadata | None = None  # set: the step returns sampled tokens, not logits
     prompt_logprobs: PromptRows | None = None  # set: the runner also scores these prompt rows (into it)
+    # [2, F] long (async scheduling): input_ids[fill_rows[0]] are the tokens the previous step
+    # sampled in its rows fill_rows[1], still on the device when this step was prepared
+    fill_rows: torch.Tensor | None = None
 
 
 class ModelRunner(Executor):
     scores_prompts = True
+    overlaps_steps = True
 
     def __init__(self, config, hf_config, model_dir, max_model_len: int, state: ParallelState = SINGLE, layer_split=None):
         self.config, self.hf_config, self.state = config, hf_config, state
@@ -74,6 +78,7 @@ class ModelRunner(Executor):
         self.workspaces: list | None = None  # the decode mirror (torch backend, CPU), per layer
         self.staging = Staging(self.device) if self.device.type != "cpu" else None
         self.graphs = None  # CUDA graphs of decode-only steps (cuda_graphs.py), captured with the KV cache
+        self.last_tokens: torch.Tensor | None = None  # the last sampling step's tokens, where they were sampled
 
     @property
     def pipelined(self) -> bool:
@@ -168,6 +173,12 @@ class ModelRunner(Executor):
             (sampling,) = self.staging.send_fields(sampling)
         return sample(logits, sampling)
 
+    def _sample(self, logits: torch.Tensor, sampling: SamplingMetadata):
+        """The step's tokens, not yet read back; kept on the device for the next step's fill_rows."""
+        sampled = sample_on_device(logits, sampling)
+        self.last_tokens = sampled.tokens
+        return sampled
+
     def execute(self, step: StepInput, hidden=None, residual=None):
         """Run this rank's layers. Last stage: the sample rows' tokens (a SampleResult) when
         the step carries sampling metadata, else their logits [S, V] float32; other stages:
@@ -187,15 +198,17 @@ class ModelRunner(Executor):
         A step that scores prompt rows runs eagerly in torch: the C decode step and the CUDA
         graphs give the sample rows' logits only, not every row's hidden state."""
         scoring = step.prompt_logprobs
+        step = self.to_device(step)
+        if step.fill_rows is not None:  # async scheduling: the previous step's tokens, never read by the host
+            step.input_ids[step.fill_rows[0]] = self.last_tokens[step.fill_rows[1]]
         if scoring is None and self._runs_in_c(step, hidden):
             m = step.meta
             logits = self.cpu_decoder.step(step.input_ids, step.positions, m.slot_mapping, m.decode_block_tables,
                                            m.decode_context_lens)[step.sample_rows]
-            return logits if step.sampling is None else sample_on_device(logits, step.sampling)
-        step = self.to_device(step)
+            return logits if step.sampling is None else self._sample(logits, step.sampling)
         if scoring is None and self.graphs is not None and hidden is None and self.graphs.fits(step):
             logits = self.graphs.run(step)
-            return logits if step.sampling is None else sample_on_device(logits, step.sampling)
+            return logits if step.sampling is None else self._sample(logits, step.sampling)
         meta, dev = step.meta, self.device
         plan = meta.decode_plan
         if plan is not None and (plan.reset or self.workspaces is None):
@@ -209,4 +222,4 @@ class ModelRunner(Executor):
         if scoring is not None:
             scoring.scores = score(self.model.compute_logits, hidden, scoring)
         logits = self.model.compute_logits(hidden[step.sample_rows]).float()
-        return logits if step.sampling is None else sample_on_device(logits, step.sampling)
+        return logits if step.sampling is None else self._sample(logits, step.sampling)

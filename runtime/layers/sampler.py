@@ -162,21 +162,40 @@ def sample_tokens(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     return torch.where(m.greedy, logits.argmax(-1), tokens)
 
 
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """Start copying a device tensor to pinned host memory now, queued right behind the work
+    that makes it; (the host copy, an event that marks it done). Waiting on that event later
+    waits for this step only, not for a next step queued meanwhile (async scheduling). On the
+    CPU: the tensor itself, no event."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 class Sampled:
-    """A batch's sampled tokens (and log-probabilities) still on the device: reading them
-    (result) is the step's one device-to-host transfer, which waits for the device."""
+    """A batch's sampled tokens (and log-probabilities), on their way to the host: the step's
+    one device-to-host transfer is queued at once, and result() waits for it. `tokens` stays
+    on the device, where the next step may read it as its input (StepInput.fill_rows)."""
 
     def __init__(self, tokens: torch.Tensor, want: list[int | None] | None, raw_logprobs: torch.Tensor | None):
         self.want = want
+        self.tokens = tokens
         if raw_logprobs is None:
-            self.packed = tokens
-            return
-        chosen = raw_logprobs.gather(1, tokens[:, None])
-        top_vals, top_ids = raw_logprobs.topk(max(1, max(k or 0 for k in want)), dim=-1)
-        # one tensor, one transfer: float64 holds token ids and float32 values exactly
-        self.packed = torch.cat((tokens[:, None].double(), chosen.double(), top_vals.double(), top_ids.double()), 1)
+            packed = tokens
+        else:
+            chosen = raw_logprobs.gather(1, tokens[:, None])
+            top_vals, top_ids = raw_logprobs.topk(max(1, max(k or 0 for k in want)), dim=-1)
+            # one tensor, one transfer: float64 holds token ids and float32 values exactly
+            packed = torch.cat((tokens[:, None].double(), chosen.double(), top_vals.double(), top_ids.double()), 1)
+        self.packed, self.copied = _to_host(packed)
 
     def result(self) -> SampleResult:
+        if self.copied is not None:
+            self.copied.synchronize()
         if self.want is None:
             return SampleResult(self.packed.tolist(), None, None)
         rows = self.packed.tolist()
@@ -226,14 +245,16 @@ def _sample_rows(logits: torch.Tensor, m: SamplingMetadata) -> "Sampled":
         chosen.append(r.chosen_logprobs[0] if r.chosen_logprobs else 0.0)
     done = SampleResult(tokens, logprobs if m.num_logprobs is not None else None,
                         chosen if m.num_logprobs is not None else None, failed)
-    return Finished(done)
+    return Finished(done, torch.tensor(tokens, dtype=torch.long, device=logits.device))
 
 
 class Finished:
-    """A result that is already there (on the host, or a step run to its end): .result() returns it."""
+    """A result that is already there (on the host, or a step run to its end): .result() returns it.
+    `tokens`: a sampled result's tokens on the sampling device (see Sampled)."""
 
-    def __init__(self, value):
+    def __init__(self, value, tokens: torch.Tensor | None = None):
         self.value = value
+        self.tokens = tokens
 
     def result(self):
         return self.value

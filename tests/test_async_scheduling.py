@@ -1,0 +1,150 @@
+"""Async scheduling (`--async-scheduling`, on by default in one GPU process): step N+1 is
+scheduled, prepared and launched before step N's tokens are read back, and the model
+runner fills N's tokens into N+1's inputs on the device. Forced on here, on the CPU, where
+the same engine and runner code runs: the tokens must be the serial engine's."""
+
+import pytest
+
+from engine_helpers import make_tiny_model
+from shoal import LLM, SamplingParams
+from shoal.runtime.executor.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, builtin_dir):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), builtin_dir, vocab_size=512)
+
+
+PROMPTS = [[5 + i, 6, 7, 8 + i] * (1 + i % 3) for i in range(12)]
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Every kind of request the overlapped path treats differently: greedy and sampled
+    (seeded), logprobs, n = 2 (forks when its prompt completes), min_tokens (counts tokens
+    still in flight), a repetition penalty (reads the tokens so far: the step before is read
+    back first), stop tokens, EOS allowed, and lengths that end in the middle of the batch."""
+    out = []
+    for i in range(len(PROMPTS)):
+        out.append(SamplingParams(
+            max_tokens=3 + 2 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=i % 3 != 0,
+            logprobs=2 if i in (3, 8) else None, n=2 if i == 4 else 1, min_tokens=4 if i == 5 else 0,
+            repetition_penalty=1.3 if i == 6 else 1.0, stop_token_ids=[100, 200, 300] if i == 7 else None))
+    return out
+
+
+def run(tiny, params, **kwargs):
+    llm = LLM(str(tiny), kv_cache_memory=kwargs.pop("kv_cache_memory", 2**24), **kwargs)
+    outputs = llm.generate(PROMPTS, params)
+    engine = llm.engine
+    assert engine.pool.num_free == engine.pool.num_blocks, "every block is given back"
+    assert not engine._in_flight
+    return engine, [[(c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs) for c in o.outputs] for o in outputs]
+
+
+def assert_same(got, want):
+    for g_req, w_req in zip(got, want, strict=True):
+        for g, w in zip(g_req, w_req, strict=True):
+            assert g[:4] == w[:4]
+            if w[4] is not None:
+                for gl, wl in zip(g[4], w[4], strict=True):
+                    assert gl.keys() == wl.keys() and list(gl.values()) == pytest.approx(list(wl.values()), abs=1e-5)
+
+
+@pytest.mark.parametrize("c_decode", [256, 0], ids=["c-decode-step", "torch"])
+def test_async_scheduling_gives_the_serial_tokens(tiny, c_decode):
+    params = mixed_params()
+    _, want = run(tiny, params, async_scheduling=False, cpu_decode_max_seqs=c_decode)
+    engine, got = run(tiny, params, async_scheduling=True, cpu_decode_max_seqs=c_decode)
+    assert engine.overlap
+    assert_same(got, want)
+
+
+def test_preemption_with_tokens_in_flight(tiny):
+    """A cache too small for the batch: sequences are preempted while their token is in
+    flight, land in the waiting queue, and are recomputed once it is back."""
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in PROMPTS]
+    _, want = run(tiny, params, async_scheduling=False)
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # K and V, 2 layers, 2 KV heads, 16 tokens, head dim 16, float32
+    engine, got = run(tiny, params, async_scheduling=True, kv_cache_memory=20 * block_bytes)  # the batch needs ~48
+    assert engine.scheduler.num_preemptions > 0
+    assert_same(got, want)
+
+
+def launches_and_reads(tiny, params, **kwargs):
+    """The order in which the engine launches steps and reads their tokens back."""
+    llm = LLM(str(tiny), kv_cache_memory=2**24, **kwargs)
+    engine, events = llm.engine, []
+    launch = engine.executor.execute_async
+
+    def logged_launch(step):
+        k = sum(1 for e in events if e[0] == "launch")
+        events.append(("launch", k))
+        pending = launch(step)
+        result = pending.result
+
+        def logged_result():
+            events.append(("read", k))
+            return result()
+
+        pending.result = logged_result
+        return pending
+
+    engine.executor.execute_async = logged_launch
+    llm.generate(PROMPTS[:4], params)
+    return events
+
+
+def test_each_step_is_launched_before_the_previous_ones_tokens_are_read(tiny):
+    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), async_scheduling=True)
+    order = {e: i for i, e in enumerate(events)}
+    steps = sum(1 for e in events if e[0] == "launch")
+    assert steps >= 8
+    for k in range(steps - 1):  # every step but the last: the next one is already queued when its tokens are read
+        assert order[("launch", k + 1)] < order[("read", k)], events
+
+
+def test_a_step_whose_sampling_reads_the_history_waits_for_the_previous_tokens(tiny):
+    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=0.5),
+                                async_scheduling=True)
+    order = {e: i for i, e in enumerate(events)}
+    steps = sum(1 for e in events if e[0] == "launch")
+    for k in range(steps - 1):
+        assert order[("read", k)] < order[("launch", k + 1)], events
+
+
+def test_no_step_is_spent_on_a_sequence_that_its_tokens_in_flight_end(tiny):
+    """max_tokens reached by the token in flight: the next step does not compute it."""
+    computed = {}
+    for mode in (False, True):
+        llm = LLM(str(tiny), kv_cache_memory=2**24, async_scheduling=mode)
+        launch, rows = llm.engine.executor.execute_async, []
+        llm.engine.executor.execute = lambda step, _run=llm.engine.executor.execute: (rows.append(step.input_ids.numel()), _run(step))[1]
+        llm.engine.executor.execute_async = lambda step: (rows.append(step.input_ids.numel()), launch(step))[1]
+        out = llm.generate(PROMPTS[:6], [SamplingParams(max_tokens=1 + i, temperature=0.0, ignore_eos=True) for i in range(6)])
+        assert [len(o.outputs[0].token_ids) for o in out] == [1 + i for i in range(6)]
+        computed[mode] = sum(rows)
+    assert computed[True] == computed[False] == sum(map(len, PROMPTS[:6])) + sum(range(6))
+
+
+def test_abort_while_a_step_is_in_flight_frees_its_blocks(tiny):
+    llm = LLM(str(tiny), kv_cache_memory=2**24, async_scheduling=True)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight and engine.pool.num_free < engine.pool.num_blocks
+    for i in range(len(PROMPTS)):
+        engine.abort_request(f"r{i}")
+    assert not engine._in_flight and not engine.has_unfinished_requests()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.step() == []
+
+
+def test_async_scheduling_refuses_what_it_cannot_overlap(tiny, monkeypatch):
+    monkeypatch.setattr(ModelRunner, "pipelined", property(lambda self: True))  # as on a GPU
+    with pytest.raises(ValueError, match="async scheduling"):
+        LLM(str(tiny), kv_cache_memory=2**24, async_scheduling=True, batches_in_flight=2)
+    assert LLM(str(tiny), kv_cache_memory=2**24).engine.overlap, "on by default where the device runs behind the host"
+    monkeypatch.undo()
+    assert not LLM(str(tiny), kv_cache_memory=2**24).engine.overlap, "off by default on a CPU"
