@@ -240,7 +240,7 @@ def _back_to_back_by_mode(engine, device, steps: int) -> dict[str, float]:
     overlap, the other way too, on the same engine. Rounds of steps/2 in the order A B B A:
     contexts grow every step, and so does a step's cost, a drift this order cancels."""
     configured = engine.overlap
-    modes = [configured, not configured] if engine.executor.overlaps_steps and engine.num_lanes == 1 else [configured]
+    modes = [configured, not configured] if engine.can_overlap else [configured]
     times: dict[bool, list[float]] = {m: [] for m in modes}
     for m in modes + modes[::-1]:
         engine.set_async_scheduling(m)

@@ -82,15 +82,14 @@ def batches_in_flight(config: EngineConfig, executor) -> int:
     return config.batches_in_flight or config.pipeline_parallel_size
 
 
-def async_scheduling(asked: bool | None, executor, num_lanes: int) -> bool:
+def async_scheduling(asked: bool | None, able: bool, pipelined: bool) -> bool:
     """Whether each step is scheduled before the previous one's tokens are read: as asked, by
     default where the device runs behind the host (a GPU, one process). On a CPU it gains
     nothing (the same cores run both halves), but it works the same."""
-    able = executor.overlaps_steps and num_lanes == 1
     if asked and not able:
         raise ValueError("async scheduling needs one process and one batch in flight "
                          "(not tensor or pipeline parallelism, nor --batches-in-flight > 1)")
-    return able and (executor.pipelined if asked is None else asked)
+    return able and (pipelined if asked is None else asked)
 
 
 class LLMEngine:
@@ -119,7 +118,9 @@ class LLMEngine:
                                    config.scheduling_policy, self.num_lanes)
         self._lane = 0
         self._in_flight: dict[int, InFlight] = {}  # lane -> its batch in the pipe
-        self.overlap = async_scheduling(config.async_scheduling, self.executor, self.num_lanes)
+        # one process that fills inputs on its device, one batch in flight: async scheduling can run
+        self.can_overlap = self.executor.overlaps_steps and self.num_lanes == 1
+        self.overlap = async_scheduling(config.async_scheduling, self.can_overlap, self.executor.pipelined)
         capacity = num_blocks * self.block_size
         if model_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache's %d tokens; capping it", model_len, capacity)
@@ -194,7 +195,7 @@ class LLMEngine:
     def set_async_scheduling(self, on: bool) -> list[RequestOutput]:
         """Turn async scheduling on or off between steps (a benchmark compares both in one
         run). Returns the outputs of the step still in flight, which it reads back first."""
-        on = async_scheduling(on, self.executor, self.num_lanes)
+        on = async_scheduling(on, self.can_overlap, self.executor.pipelined)
         outputs = self._collect_in_flight(0) if self.overlap and self._in_flight else []
         self.overlap = on
         return outputs
