@@ -1,5 +1,6 @@
 """The KV-cache manager owns block tables: grow, prefix reuse and registration, fork, free."""
 
+from shoal.runtime.cache.block_tables import BlockTables
 from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.engine.request import Request
 from shoal.runtime.sampling_params import SamplingParams
@@ -61,3 +62,60 @@ def test_no_fork_without_a_block_for_the_partial_one():
     kv.free(parent)
     assert kv.allocate(whole, 8) and kv.can_fork(whole)  # no partial block: nothing to copy
     assert kv.fork(whole, seq_of(range(1, 9))) is None
+
+
+def _assert_mirrored(kv, seqs):
+    """Each sequence holding blocks has a row equal to its list, zero-padded; free rows are all zero."""
+    t = kv.tables
+    held = {s.kv_row for s in seqs if s.block_table}
+    assert len(held) == sum(1 for s in seqs if s.block_table)  # no two share a row
+    for s in seqs:
+        if s.block_table:
+            assert t.table[s.kv_row, : len(s.block_table)].tolist() == s.block_table
+            assert not t.table[s.kv_row, len(s.block_table) :].any()
+        else:
+            assert s.kv_row is None
+    for row in set(range(len(t.lengths))) - held:
+        assert not t.table[row].any() and t.lengths[row] == 0
+
+
+def test_block_tables_mirror_every_change_and_gather_pads_with_zero():
+    import random
+
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=400, block_size=4)
+    kv.tables = BlockTables(rows=4, width=4)  # small, so that both dimensions grow
+    seqs = []
+    for step in range(600):
+        op = rng.random()
+        live = [s for s in seqs if s.block_table]
+        if op < 0.35 or not live:  # a new sequence, maybe on cached blocks
+            s = seq_of([rng.randrange(1, 5) for _ in range(rng.randrange(1, 40))], n=2)
+            kv.reuse_prefix(s)
+            if kv.allocate(s, len(s.token_ids)):
+                s.num_computed = len(s.token_ids)
+                kv.cache_full_blocks(s)
+                seqs.append(s)
+            else:
+                kv.free(s)
+        elif op < 0.75:  # grow one by many tokens
+            s = rng.choice(live)
+            s.token_ids += [rng.randrange(1, 5) for _ in range(rng.randrange(1, 90))]
+            if kv.allocate(s, len(s.token_ids)):
+                s.num_computed = len(s.token_ids)
+                kv.cache_full_blocks(s)
+        elif op < 0.85:
+            parent = rng.choice(live)
+            child = seq_of(parent.token_ids[: parent.num_prompt_tokens])
+            if kv.can_fork(parent):
+                kv.fork(parent, child)
+                seqs.append(child)
+        else:
+            kv.free(rng.choice(live))
+        _assert_mirrored(kv, seqs)
+    live = [s for s in seqs if s.block_table]
+    assert len(kv.tables.lengths) > 4 and kv.tables.table.shape[1] > 4
+    gathered = kv.tables.gather(kv.tables.rows(live))
+    width = max(len(s.block_table) for s in live)
+    assert gathered.shape == (len(live), width)
+    assert gathered.tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in live]

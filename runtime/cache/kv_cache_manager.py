@@ -3,18 +3,21 @@ manager, nano-vllm's block manager).
 
 The scheduler asks it yes/no questions ("can this sequence hold N more tokens?") and
 never sees a block id; the engine asks it to fork a sequence for n > 1. Block tables
-live on the sequences (the step's inputs read them), but only this file writes them.
+live on the sequences, mirrored row by row in `tables` (block_tables.py), which a step's
+inputs gather; only this file writes either.
 """
 
 from __future__ import annotations
 
 from shoal.runtime.cache.block_pool import BlockPool, block_hashes
+from shoal.runtime.cache.block_tables import BlockTables
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_size = block_size
+        self.tables = BlockTables()
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -31,7 +34,9 @@ class KVCacheManager:
             return True
         if need > self.pool.num_free:
             return False
+        start = len(seq.block_table)
         seq.block_table += self.pool.allocate(need)
+        self.tables.write(seq, start)
         return True
 
     def reuse_prefix(self, seq) -> None:
@@ -41,6 +46,8 @@ class KVCacheManager:
         usable = seq.block_hashes[: (len(seq.token_ids) - 1) // self.block_size]
         hits = self.pool.lookup(usable)
         seq.block_table = hits
+        if hits:
+            self.tables.write(seq)
         seq.num_computed = len(hits) * self.block_size
         seq.num_registered = len(hits)
         if self.pool.enable_prefix_caching:
@@ -59,6 +66,7 @@ class KVCacheManager:
     def free(self, seq) -> None:
         """Give back the sequence's blocks (they stay findable by hash until reused)."""
         self.pool.release(seq.block_table)
+        self.tables.release(seq)
         seq.block_table = []
         seq.num_computed = 0
         seq.num_registered = 0
@@ -75,6 +83,7 @@ class KVCacheManager:
         shared = parent.block_table[:full]
         self.pool.share(shared)
         child.block_table = shared + (self.pool.allocate(1) if partial else [])
+        self.tables.write(child)
         child.block_hashes = parent.block_hashes[:full]
         child.num_registered = min(parent.num_registered, full)
         child.num_computed = parent.num_prompt_tokens

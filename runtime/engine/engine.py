@@ -259,7 +259,7 @@ class LLMEngine:
         booked at once. `prev`: the step still in flight whose tokens this one reads."""
         plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
         rows, targets = self._sample_targets(batch)
-        step = prepare(batch, rows, self.block_size, plan, prev.rows() if prev is not None else None)
+        step = prepare(batch, rows, self.block_size, self.kv.tables, plan, prev.rows() if prev is not None else None)
         step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured) if targets else None
         scoring = prompt_scoring(batch)
         step.prompt_logprobs = scoring.rows if scoring else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class Sequence:
         self.num_pending = 0
         self.awaits_fork = False  # an n > 1 sibling made when the prompt completed, before its blocks
         self.block_table: list[int] = []
+        self.kv_row: int | None = None  # its row of the KV-cache manager's BlockTables, while it holds blocks
         self.block_hashes: list[int] = []
         self.num_registered = 0  # full blocks already offered to the prefix cache
         self.status = Status.WAITING
@@ -173,6 +175,16 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @functools.cached_property
+    def plain_sampling(self) -> bool:
+        """Whether its rows sample from a temperature (and top-k/p, min-p) alone: no bans, masks,
+        biases, penalties or logprobs. Asked each step for every row, so kept once asked; the
+        engine sets the grammar, mask and bad words before it schedules the request."""
+        p = self.params
+        return (self.grammar is None and self.allowed_mask is None and not self.bad_words and not p.logit_bias
+                and not (p.min_tokens and (p.stop_token_ids or not p.ignore_eos)) and p.logprobs is None
+                and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
 
     @property
     def forked(self) -> bool:

@@ -11,6 +11,7 @@ import itertools
 import numpy as np
 import torch
 
+from shoal.runtime.cache.block_tables import BlockTables
 from shoal.runtime.engine import bad_words
 from shoal.runtime.engine.request import Sequence
 from shoal.runtime.engine.scheduler import ScheduledBatch
@@ -38,10 +39,11 @@ def _long(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
 
 
-def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, decode_plan=None,
+def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, tables: BlockTables, decode_plan=None,
             prev_rows: dict | None = None) -> StepInput:
     """Flatten a scheduled batch (decodes first, then prefill chunks) into model inputs. A
-    decode step of 256 rows is a few list comprehensions and numpy ops, no per-row arithmetic.
+    decode step of 256 rows is a few list comprehensions and numpy ops, no per-row arithmetic;
+    its block tables are one gather from `tables`, the rows the KV-cache manager keeps.
     A decode whose token is still in flight (async scheduling) gets a placeholder and a
     `fill_rows` entry naming its row in the previous step's sampled tokens (`prev_rows`)."""
     nd = batch.num_decodes
@@ -49,7 +51,7 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, deco
     ids = [0 if s.num_pending else s.token_ids[s.num_computed] for s in decodes]
     fill = [(i, prev_rows[s]) for i, s in enumerate(decodes) if s.num_pending] if prev_rows else None
     pos = np.fromiter((s.num_computed for s in decodes), dtype=np.int64, count=nd)
-    decode_tables = _padded([s.block_table for s in decodes]) if decodes else None
+    decode_tables = tables.gather(tables.rows(decodes)) if decodes else None
     slots = [decode_tables[np.arange(nd), pos // block_size] * block_size + pos % block_size] if decodes else []
     positions = [pos]
     starts = [0]
@@ -57,14 +59,14 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, deco
         p = np.arange(s.num_computed, s.num_computed + n)
         ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
         positions.append(p)
-        slots.append(np.asarray(s.block_table)[p // block_size] * block_size + p % block_size)
+        slots.append(tables.table[s.kv_row, p // block_size] * block_size + p % block_size)
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(np.concatenate(slots)) if slots else _long([]),
         num_decode_tokens=nd,
         decode_block_tables=torch.from_numpy(decode_tables) if decodes and decode_plan is None else None,
         decode_context_lens=torch.from_numpy(pos + 1) if decodes else None,
-        prefill_block_tables=pad_rows([s.block_table for s in prefills]) if prefills else None,
+        prefill_block_tables=torch.from_numpy(tables.gather(tables.rows(prefills))) if prefills else None,
         prefill_query_start_loc=_long(starts) if prefills else None,
         prefill_context_lens=_long([s.num_computed + n for s, n in zip(prefills, chunks)]) if prefills else None,
         decode_plan=decode_plan,
@@ -81,15 +83,18 @@ def _column(values: list, dtype=torch.float32) -> torch.Tensor:
 
 def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int, structured=None) -> SamplingMetadata:
     """The sampling rows' parameters as tensors: one row per sequence that samples this step.
-    One pass over the rows gathers what each option needs (a step may sample 256 rows)."""
+    Temperatures go through numpy; only the rows of requests that ask for more than a
+    temperature and top-k/p (Request.plain_sampling) are looked at one by one."""
     params = [s.request.params for s in seqs]
-    greedy = [p.temperature < 1e-5 for p in params]  # SamplingParams.greedy, without the property call
-    m = SamplingMetadata(temperature=_column([p.temperature for p in params]),
-                         greedy=torch.tensor(greedy, dtype=torch.bool), all_greedy=all(greedy))
+    temperature = np.fromiter([p.temperature for p in params], dtype=np.float64, count=len(params))
+    greedy = temperature < 1e-5  # SamplingParams.greedy, in the same precision
+    m = SamplingMetadata(temperature=torch.from_numpy(temperature.astype(np.float32)), greedy=torch.from_numpy(greedy),
+                         all_greedy=bool(greedy.all()))
     penalized = repeated = logprobs = False
     bans: dict[int, list[int]] = {}  # min_tokens: EOS (unless ignored) and the stop ids cannot end it yet; bad_words
     masked, biased = [], []
-    for row, (s, p) in enumerate(zip(seqs, params)):
+    for row in [row for row, s in enumerate(seqs) if not s.request.plain_sampling]:
+        s, p = seqs[row], params[row]
         request = s.request
         if p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
             bans[row] = ([] if p.ignore_eos else eos_ids) + p.stop_token_ids
