@@ -26,7 +26,7 @@ def test_prefix_blocks_are_found_once_registered_and_counted():
     kv.reuse_prefix(first)
     assert first.num_computed == 0 and kv.allocate(first, 10)
     first.num_computed = 10
-    kv.cache_full_blocks(first)
+    kv.cache_full_blocks([first])
     assert first.num_registered == 2
     second = seq_of(list(range(1, 9)) + [99, 98, 97])
     kv.reuse_prefix(second)
@@ -94,7 +94,7 @@ def test_block_tables_mirror_every_change_and_gather_pads_with_zero():
             kv.reuse_prefix(s)
             if kv.allocate(s, len(s.token_ids)):
                 s.num_computed = len(s.token_ids)
-                kv.cache_full_blocks(s)
+                kv.cache_full_blocks([s])
                 seqs.append(s)
             else:
                 kv.free(s)
@@ -103,7 +103,7 @@ def test_block_tables_mirror_every_change_and_gather_pads_with_zero():
             s.token_ids += [rng.randrange(1, 5) for _ in range(rng.randrange(1, 90))]
             if kv.allocate(s, len(s.token_ids)):
                 s.num_computed = len(s.token_ids)
-                kv.cache_full_blocks(s)
+                kv.cache_full_blocks([s])
         elif op < 0.85:
             parent = rng.choice(live)
             child = seq_of(parent.token_ids[: parent.num_prompt_tokens])

@@ -24,13 +24,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def _blocks_needed(self, seq, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
-
     def allocate(self, seq, num_tokens: int) -> bool:
         """Grow the sequence's table to hold `num_tokens` tokens; False (nothing taken) if it cannot."""
-        need = self._blocks_needed(seq, num_tokens)
-        if need == 0:  # most decode steps: the last block has room
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:  # most decode steps: the last block has room
             return True
         if need > self.pool.num_free:
             return False
@@ -54,14 +51,19 @@ class KVCacheManager:
             self.prefix_queries += len(seq.token_ids)
             self.prefix_hits += seq.num_computed
 
-    def cache_full_blocks(self, seq) -> None:
-        """Offer the sequence's newly filled blocks to the prefix cache."""
-        full = min(seq.num_computed, len(seq.token_ids)) // self.block_size  # hashes need the tokens, not only their KV
-        if self.pool.enable_prefix_caching and full > seq.num_registered:
-            seq.block_hashes = block_hashes(seq.token_ids[: full * self.block_size], self.block_size, seq.block_hashes[:full])
-            for b in range(seq.num_registered, full):
-                self.pool.register(seq.block_table[b], seq.block_hashes[b])
-            seq.num_registered = full
+    def cache_full_blocks(self, seqs) -> None:
+        """Offer the sequences' newly filled blocks to the prefix cache (one call a step: at 256
+        sequences a call each cost more than the check, which finds a new block once in block_size)."""
+        if not self.pool.enable_prefix_caching:
+            return
+        size = self.block_size
+        for seq in seqs:
+            full = min(seq.num_computed, len(seq.token_ids)) // size  # hashes need the tokens, not only their KV
+            if full > seq.num_registered:
+                seq.block_hashes = block_hashes(seq.token_ids[: full * size], size, seq.block_hashes[:full])
+                for b in range(seq.num_registered, full):
+                    self.pool.register(seq.block_table[b], seq.block_hashes[b])
+                seq.num_registered = full
 
     def free(self, seq) -> None:
         """Give back the sequence's blocks (they stay findable by hash until reused)."""

@@ -144,16 +144,20 @@ class Scheduler:
             chosen.append((seq, num_new))
             budget -= num_new
 
-        chosen.sort(key=lambda c: c[1] != 1)  # decodes first (stable)
-        batch = ScheduledBatch([s for s, _ in chosen], [n for _, n in chosen])
-        batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        num_new_tokens = [n for _, n in chosen]
+        num_decodes = num_new_tokens.count(1)
+        if num_decodes < len(chosen):
+            chosen.sort(key=lambda c: c[1] != 1)  # decodes first (stable)
+            num_new_tokens = [n for _, n in chosen]
+        batch = ScheduledBatch([s for s, _ in chosen], num_new_tokens)
+        batch.num_decodes = num_decodes
         return batch
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance computed counts and offer newly filled blocks to the prefix cache."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed += num_new
-            self.kv.cache_full_blocks(seq)
+        self.kv.cache_full_blocks(batch.seqs)
 
     def fragmentation(self) -> tuple[int, int]:
         """(slots allocated to running sequences, slots of them holding no token)."""
