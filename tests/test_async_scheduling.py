@@ -21,14 +21,17 @@ PROMPTS = [[5 + i, 6, 7, 8 + i] * (1 + i % 3) for i in range(12)]
 def mixed_params() -> list[SamplingParams]:
     """Every kind of request the overlapped path treats differently: greedy and sampled
     (seeded), logprobs, n = 2 (forks when its prompt completes), min_tokens (counts tokens
-    still in flight), a repetition penalty (reads the tokens so far: the step before is read
+    still in flight), repetition, presence and frequency penalties (their histories get the
+    token in flight on the device), bad words (read on the host: the step before is read
     back first), stop tokens, EOS allowed, and lengths that end in the middle of the batch."""
     out = []
     for i in range(len(PROMPTS)):
         out.append(SamplingParams(
             max_tokens=3 + 2 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=i % 3 != 0,
             logprobs=2 if i in (3, 8) else None, n=2 if i == 4 else 1, min_tokens=4 if i == 5 else 0,
-            repetition_penalty=1.3 if i == 6 else 1.0, stop_token_ids=[100, 200, 300] if i == 7 else None))
+            repetition_penalty=1.3 if i in (6, 9) else 1.0, stop_token_ids=[100, 200, 300] if i == 7 else None,
+            presence_penalty=1.5 if i in (9, 10) else 0.0, frequency_penalty=1.0 if i == 10 else 0.0,
+            bad_words=["the"] if i == 1 else None))
     return out
 
 
@@ -70,6 +73,27 @@ def test_preemption_with_tokens_in_flight(tiny):
     assert_same(got, want)
 
 
+def test_penalties_count_the_token_in_flight(tiny):
+    """A penalized row sampled while its last token is in flight: the runner writes that
+    token into the histories on the device. Chosen so that the last token decides: prompts
+    whose greedy output repeats a token back to back (a repetition penalty breaks the repeat
+    only if it counts the token just sampled), and a logit bias that presence and frequency
+    penalties overcome only when they count every occurrence."""
+    prompts = [[5 + i, 6 + 2 * i, 7, 8 + i] for i in range(60)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    free = LLM(str(tiny), kv_cache_memory=2**24, async_scheduling=False).generate(prompts, greedy)
+    repeats = [p for p, o in zip(prompts, free) if any(a == b for a, b in zip(o.outputs[0].token_ids, o.outputs[0].token_ids[1:]))]
+    assert repeats, "no prompt repeats a token: pick others"
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=2.0)] * len(repeats)
+    params += [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logit_bias={300: 6.0}, presence_penalty=2.0,
+                              frequency_penalty=1.0)] * 2
+    batch = repeats + prompts[:2]
+    want, got = ([o.outputs[0].token_ids for o in LLM(str(tiny), kv_cache_memory=2**24, async_scheduling=mode).generate(batch, params)]
+                 for mode in (False, True))
+    assert got == want
+    assert [w.count(300) for w in want[-2:]] != [16, 16]  # the penalties did overcome the bias
+
+
 def launches_and_reads(tiny, params, **kwargs):
     """The order in which the engine launches steps and reads their tokens back."""
     llm = LLM(str(tiny), kv_cache_memory=2**24, **kwargs)
@@ -103,8 +127,19 @@ def test_each_step_is_launched_before_the_previous_ones_tokens_are_read(tiny):
         assert order[("launch", k + 1)] < order[("read", k)], events
 
 
-def test_a_step_whose_sampling_reads_the_history_waits_for_the_previous_tokens(tiny):
-    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=0.5),
+def test_penalized_steps_overlap_too(tiny):
+    """Penalties read the tokens so far, the one in flight included, on the device."""
+    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=0.5,
+                                                     repetition_penalty=1.2), async_scheduling=True)
+    order = {e: i for i, e in enumerate(events)}
+    steps = sum(1 for e in events if e[0] == "launch")
+    assert steps >= 8
+    for k in range(steps - 1):
+        assert order[("launch", k + 1)] < order[("read", k)], events
+
+
+def test_a_step_whose_sampling_reads_the_history_on_the_host_waits_for_the_previous_tokens(tiny):
+    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=["the"]),
                                 async_scheduling=True)
     order = {e: i for i, e in enumerate(events)}
     steps = sum(1 for e in events if e[0] == "launch")

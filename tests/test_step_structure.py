@@ -35,12 +35,11 @@ def engine(request, tmp_path_factory, builtin_dir):
 
 
 def decode_step_counts(engine, batch: int, monkeypatch) -> tuple[int, int, dict]:
-    # mixed sampling parameters on purpose: greedy and sampled rows, penalties (not with async
-    # scheduling, where they make each step wait for the last), min_tokens, a seed
-    penalty = not engine.overlap
+    # mixed sampling parameters on purpose: greedy and sampled rows, penalties (with async
+    # scheduling, their histories get the token in flight on the device), min_tokens, a seed
     for i in range(batch):
         params = SamplingParams(max_tokens=40, min_tokens=20, temperature=0.0 if i % 3 == 0 else 0.8, top_k=50,
-                                top_p=0.9, repetition_penalty=1.1 if penalty else 1.0, presence_penalty=0.2 * penalty,
+                                top_p=0.9, repetition_penalty=1.1, presence_penalty=0.2,
                                 seed=7 if i == 1 else None, logprobs=2 if i % 4 == 0 else None)
         engine.add_request(f"b{batch}-{i}", [5 + i, 6, 7, 8, 9], params)
     while engine.scheduler.waiting or any(s.num_computed < len(s.token_ids) - 1 for s in engine.scheduler.running):

@@ -175,8 +175,7 @@ class LLMEngine:
             request.allowed_mask = pack_ids(params.allowed_token_ids, self.vocab_size)
         if params.bad_words:
             request.bad_words = bad_words.token_sequences(self.tokenizer, params.bad_words)
-        request.needs_history = bool(request.grammar is not None or request.bad_words or params.repetition_penalty != 1.0
-                                     or params.presence_penalty or params.frequency_penalty)
+        request.needs_history = bool(request.grammar is not None or request.bad_words)
         detokenizer.start(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -259,8 +258,10 @@ class LLMEngine:
         booked at once. `prev`: the step still in flight whose tokens this one reads."""
         plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
         rows, targets = self._sample_targets(batch)
-        step = prepare(batch, rows, self.block_size, self.kv.tables, plan, prev.rows() if prev is not None else None)
-        step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured) if targets else None
+        prev_rows = prev.rows() if prev is not None else None
+        step = prepare(batch, rows, self.block_size, self.kv.tables, plan, prev_rows)
+        step.sampling = (sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured, prev_rows)
+                         if targets else None)
         scoring = prompt_scoring(batch)
         step.prompt_logprobs = scoring.rows if scoring else None
         if self.num_lanes > 1 or self.overlap:

@@ -162,8 +162,9 @@ class Request:
     allowed_mask: object = None  # params.allowed_token_ids as a packed int32 bitmask row
     bad_words: list[list[int]] | None = None  # params.bad_words as token sequences
     max_len: int = 1 << 62  # its sequences end at this many tokens (max_tokens, the context): LLMEngine sets it
-    # its sampling reads the tokens so far (penalties, bad words, a grammar), so a step cannot
-    # be scheduled before the previous one's tokens are back (async scheduling)
+    # its sampling reads the tokens so far on the host (bad words, a grammar), so a step cannot
+    # be scheduled before the previous one's tokens are back (async scheduling); penalties
+    # read them on the device, where the runner adds the token in flight (history_fill)
     needs_history: bool = False
 
     def __post_init__(self):

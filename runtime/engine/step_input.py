@@ -21,18 +21,18 @@ from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.sampler import SamplingMetadata
 
 
-def _padded(rows: list[list[int]], fill: int = 0) -> np.ndarray:
-    """[len(rows), longest] int64, each row padded with `fill`: the values stream through
+def _padded(rows: list[list[int]], fill: int = 0, spare: int = 0) -> np.ndarray:
+    """[len(rows), longest + spare] int64, each row padded with `fill`: the values stream through
     numpy in C (a nested list into torch.tensor costs ~50 ns a value, 256 block tables 0.15 ms)."""
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    width = max(1, int(lens.max()))
+    width = max(1, int(lens.max()) + spare)
     out = np.full((len(rows), width), fill, dtype=np.int64)
     out[np.arange(width) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
     return out
 
 
-def pad_rows(rows: list[list[int]], fill: int = 0) -> torch.Tensor:
-    return torch.from_numpy(_padded(rows, fill))
+def pad_rows(rows: list[list[int]], fill: int = 0, spare: int = 0) -> torch.Tensor:
+    return torch.from_numpy(_padded(rows, fill, spare))
 
 
 def _long(values) -> torch.Tensor:
@@ -81,10 +81,13 @@ def _column(values: list, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
 
-def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int, structured=None) -> SamplingMetadata:
+def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int, structured=None,
+                      prev_rows: dict | None = None) -> SamplingMetadata:
     """The sampling rows' parameters as tensors: one row per sequence that samples this step.
     Temperatures go through numpy; only the rows of requests that ask for more than a
-    temperature and top-k/p (Request.plain_sampling) are looked at one by one."""
+    temperature and top-k/p (Request.plain_sampling) are looked at one by one. With async
+    scheduling, a penalized row whose last token is still in flight gets a spare history
+    column and a `history_fill` entry naming its row in the previous step (`prev_rows`)."""
     params = [s.request.params for s in seqs]
     temperature = np.fromiter([p.temperature for p in params], dtype=np.float64, count=len(params))
     greedy = temperature < 1e-5  # SamplingParams.greedy, in the same precision
@@ -116,13 +119,18 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
         if any(p.min_p > 0 for p in params):
             m.min_p = _column([p.min_p for p in params])
         m.generators = {row: s.generator for row, s in enumerate(seqs) if s.generator is not None}
+    fill = [(row, s) for row, s in enumerate(seqs) if s.num_pending] if prev_rows and (repeated or penalized) else []
+    spare = 1 if fill else 0  # the token in flight: -1 (no token) until the runner writes it
     if repeated:
         m.repetition_penalty = _column([p.repetition_penalty for p in params])
-        m.seen_ids = pad_rows([s.token_ids for s in seqs], fill=-1)
+        m.seen_ids = pad_rows([s.token_ids for s in seqs], fill=-1, spare=spare)
     if penalized:
         m.presence_penalty = _column([p.presence_penalty for p in params])
         m.frequency_penalty = _column([p.frequency_penalty for p in params])
-        m.output_ids = pad_rows([s.output_ids for s in seqs], fill=-1)
+        m.output_ids = pad_rows([s.output_ids for s in seqs], fill=-1, spare=spare)
+    if fill:
+        m.history_fill = _long([(row, len(s.token_ids), len(s.token_ids) - s.num_prompt_tokens, prev_rows[s])
+                                for row, s in fill]).T.contiguous()
     if masked:  # grammar, allowed_token_ids, and those rows' bans: one packed bitmask (structured_output.py)
         m.token_bitmask = torch.full((len(seqs), num_words(vocab_size)), -1, dtype=torch.int32)
         grammar_rows = [row for row in masked if seqs[row].request.grammar is not None]

@@ -174,7 +174,16 @@ class ModelRunner(Executor):
         return sample(logits, sampling)
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingMetadata):
-        """The step's tokens, not yet read back; kept on the device for the next step's fill_rows."""
+        """The step's tokens, not yet read back; kept on the device for the next step's fill_rows
+        (and for the histories that penalties read: history_fill)."""
+        if sampling.history_fill is not None:
+            rows, seen_cols, output_cols, prev = sampling.history_fill
+            tokens = self.last_tokens[prev]
+            if sampling.seen_ids is not None:
+                sampling.seen_ids[rows, seen_cols] = tokens
+            if sampling.output_ids is not None:
+                sampling.output_ids[rows, output_cols] = tokens
+            sampling.history_fill = None  # filled; per-row fallbacks (select) never see it
         sampled = sample_on_device(logits, sampling)
         self.last_tokens = sampled.tokens
         return sampled

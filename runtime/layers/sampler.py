@@ -42,6 +42,9 @@ class SamplingMetadata:
     # [S, ceil(V / 32)] int32: bit j of word i allows token 32 i + j (xgrammar's layout);
     # rows without a grammar or allowed_token_ids are all ones
     token_bitmask: torch.Tensor | None = None
+    # [4, F] long (async scheduling): rows whose last token is still in flight; the runner writes
+    # it at seen_ids[row, column 1] and output_ids[row, column 2], from the previous step's row 3
+    history_fill: torch.Tensor | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
     num_logprobs: list[int | None] | None = None  # per row: top-k log-probabilities wanted, or None
 
