@@ -7,6 +7,7 @@ import pytest
 
 from engine_helpers import make_tiny_model
 from shoal import LLM, SamplingParams
+from shoal.runtime.sampling_params import StructuredOutputsParams
 from shoal.runtime.executor.model_runner import ModelRunner
 
 
@@ -31,7 +32,7 @@ def mixed_params() -> list[SamplingParams]:
             logprobs=2 if i in (3, 8) else None, n=2 if i == 4 else 1, min_tokens=4 if i == 5 else 0,
             repetition_penalty=1.3 if i in (6, 9) else 1.0, stop_token_ids=[100, 200, 300] if i == 7 else None,
             presence_penalty=1.5 if i in (9, 10) else 0.0, frequency_penalty=1.0 if i == 10 else 0.0,
-            bad_words=["the"] if i == 1 else None))
+            bad_words=["t", "a e"] if i == 1 else None))
     return out
 
 
@@ -95,15 +96,13 @@ def test_penalties_count_the_token_in_flight(tiny):
 
 
 def launches_and_reads(tiny, params, **kwargs):
-    """The order in which the engine launches steps and reads their tokens back."""
+    """The order in which the engine launches steps, samples those it launched without their
+    sampling, and reads their tokens back: ("launch" | "sample" | "read", step)."""
     llm = LLM(str(tiny), kv_cache_memory=2**24, **kwargs)
     engine, events = llm.engine, []
-    launch = engine.executor.execute_async
+    launch, sample_later = engine.executor.execute_async, engine.executor.sample_async
 
-    def logged_launch(step):
-        k = sum(1 for e in events if e[0] == "launch")
-        events.append(("launch", k))
-        pending = launch(step)
+    def logged_reads(pending, k):
         result = pending.result
 
         def logged_result():
@@ -113,38 +112,70 @@ def launches_and_reads(tiny, params, **kwargs):
         pending.result = logged_result
         return pending
 
+    def logged_launch(step):
+        k = sum(1 for e in events if e[0] == "launch")
+        events.append(("launch", k))
+        pending = launch(step)
+        return logged_reads(pending, k) if step.sampling is not None else pending  # else: logits, sampled later
+
+    def logged_sample(logits, sampling):
+        k = sum(1 for e in events if e[0] == "launch") - 1
+        events.append(("sample", k))
+        return logged_reads(sample_later(logits, sampling), k)
+
     engine.executor.execute_async = logged_launch
+    engine.executor.sample_async = logged_sample
     llm.generate(PROMPTS[:4], params)
     return events
 
 
-def test_each_step_is_launched_before_the_previous_ones_tokens_are_read(tiny):
-    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), async_scheduling=True)
+def assert_launched_before_the_last_is_read(events):
     order = {e: i for i, e in enumerate(events)}
     steps = sum(1 for e in events if e[0] == "launch")
     assert steps >= 8
     for k in range(steps - 1):  # every step but the last: the next one is already queued when its tokens are read
         assert order[("launch", k + 1)] < order[("read", k)], events
+    return order
+
+
+def test_each_step_is_launched_before_the_previous_ones_tokens_are_read(tiny):
+    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), async_scheduling=True)
+    assert_launched_before_the_last_is_read(events)
+    assert not any(e[0] == "sample" for e in events)
 
 
 def test_penalized_steps_overlap_too(tiny):
     """Penalties read the tokens so far, the one in flight included, on the device."""
     events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=0.5,
                                                      repetition_penalty=1.2), async_scheduling=True)
-    order = {e: i for i, e in enumerate(events)}
-    steps = sum(1 for e in events if e[0] == "launch")
-    assert steps >= 8
-    for k in range(steps - 1):
-        assert order[("launch", k + 1)] < order[("read", k)], events
+    assert_launched_before_the_last_is_read(events)
+    assert not any(e[0] == "sample" for e in events)
 
 
-def test_a_step_whose_sampling_reads_the_history_on_the_host_waits_for_the_previous_tokens(tiny):
-    events = launches_and_reads(tiny, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, bad_words=["the"]),
-                                async_scheduling=True)
-    order = {e: i for i, e in enumerate(events)}
-    steps = sum(1 for e in events if e[0] == "launch")
-    for k in range(steps - 1):
-        assert order[("read", k)] < order[("launch", k + 1)], events
+@pytest.mark.parametrize("asks", [{"bad_words": ["t", "a e"]}, {"structured_outputs": StructuredOutputsParams(regex="[a-z ]{1,40}")}],
+                         ids=["bad-words", "grammar"])
+def test_a_step_whose_sampling_reads_tokens_on_the_host_runs_its_forward_first(tiny, asks):
+    """Bad words and grammars read the tokens so far on the host: the step's forward is
+    launched before the previous step's tokens are read, its sampling only after."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **asks)
+    events = launches_and_reads(tiny, params, async_scheduling=True)
+    order = assert_launched_before_the_last_is_read(events)
+    sampled_later = [k for kind, k in events if kind == "sample"]
+    assert len(sampled_later) >= 6
+    for k in sampled_later:
+        assert order[("read", k - 1)] < order[("sample", k)] < order[("read", k)], events
+
+
+def test_sampling_that_reads_the_host_gives_the_serial_tokens(tiny):
+    """Bad words and grammars sampled after the previous step is read, beside plain rows that
+    overlap, and rows that the previous step ended (their late sampling is dropped)."""
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=i % 3 != 0,
+                             bad_words=["t", "in on"] if i % 4 == 1 else None, min_tokens=3 if i == 5 else 0,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z ]{2,30}") if i % 4 == 2 else None)
+              for i in range(len(PROMPTS))]
+    _, want = run(tiny, params, async_scheduling=False)
+    engine, got = run(tiny, params, async_scheduling=True)
+    assert_same(got, want)
 
 
 def test_no_step_is_spent_on_a_sequence_that_its_tokens_in_flight_end(tiny):

@@ -68,7 +68,9 @@ class InFlight:
     targets: list[Sequence]  # who samples from the batch's logits rows, in order
     pending: object  # the executor's PendingStep: .result() waits for the sampled tokens
     scoring: PromptScoring | None = None  # its prompt rows (prompt_logprobs), scored beside
-    overlappable: bool = True  # the next step may be scheduled before its tokens are read
+    # launched without its sampling, which reads the previous step's tokens on the host
+    # (async scheduling: LLMEngine._sample_launched)
+    sample_later: bool = False
 
     def rows(self) -> dict[Sequence, int]:
         """Each target's row in the batch's sampled tokens."""
@@ -239,19 +241,30 @@ class LLMEngine:
         N's tokens are read, so the host's work runs while the device computes. A sequence in
         step N decodes in N+1 the token N is still sampling (Sequence.num_pending), filled in
         on the device; one that N ends has its N+1 row wasted and dropped. A batch whose
-        sampling reads the tokens so far (penalties, bad words, a grammar) is read back first."""
+        sampling reads N's tokens on the host (bad words, a grammar) runs its forward at once and
+        its sampling once N is read: the device computes N+1 while the host collects N."""
         prev = self._in_flight.pop(0, None)
-        outputs = []
-        if prev is not None and not prev.overlappable:
-            outputs, prev = self._collect_flight(prev), None
+        outputs, flight = [], None
         batch = self.scheduler.schedule()
         if batch:
-            self._in_flight[0] = self._launch(batch, prev)
+            flight = self._in_flight[0] = self._launch(batch, prev)
         if prev is not None:
             outputs = self._collect_flight(prev)  # waits for step N only; N+1 is queued behind it
+        if flight is not None and flight.sample_later:
+            self._sample_launched(flight)
         if not self.requests:
             self._drain()
         return outputs
+
+    def _sample_launched(self, flight: InFlight) -> None:
+        """Sample a step whose forward is running, now that the previous step's tokens are in
+        its sequences (its tokens count as in flight from here)."""
+        logits = flight.pending.result()  # on the device, not read back
+        sampling = sampling_metadata(flight.targets, self.eos_ids, self.vocab_size, self.structured)
+        flight.pending = self.executor.sample_async(logits, sampling)
+        flight.sample_later = False
+        for seq in flight.targets:
+            seq.num_pending += 1
 
     def _launch(self, batch: ScheduledBatch, prev: InFlight | None = None) -> InFlight:
         """Prepare a scheduled batch and hand it to the executor; its computed counts are
@@ -260,8 +273,10 @@ class LLMEngine:
         rows, targets = self._sample_targets(batch)
         prev_rows = prev.rows() if prev is not None else None
         step = prepare(batch, rows, self.block_size, self.kv.tables, plan, prev_rows)
-        step.sampling = (sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured, prev_rows)
-                         if targets else None)
+        # a row that reads its tokens on the host (bad words, a grammar) with one still in flight
+        sample_later = self.overlap and any(seq.num_pending and seq.request.needs_history for seq in targets)
+        if targets and not sample_later:
+            step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured, prev_rows)
         scoring = prompt_scoring(batch)
         step.prompt_logprobs = scoring.rows if scoring else None
         if self.num_lanes > 1 or self.overlap:
@@ -269,10 +284,10 @@ class LLMEngine:
         else:
             pending = Finished(self.executor.execute(step))
         self.scheduler.after_step(batch)
-        for seq in targets:
-            seq.num_pending += 1
-        overlappable = not self.overlap or not any(seq.request.needs_history for seq in targets)
-        return InFlight(targets, pending, scoring, overlappable)
+        if not sample_later:
+            for seq in targets:
+                seq.num_pending += 1
+        return InFlight(targets, pending, scoring, sample_later)
 
     def _drain(self) -> None:
         """Nothing left to serve: wait for what is still in the pipe (all of it finished or aborted)."""

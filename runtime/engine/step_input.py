@@ -13,7 +13,7 @@ import torch
 
 from shoal.runtime.cache.block_tables import BlockTables
 from shoal.runtime.engine import bad_words
-from shoal.runtime.engine.request import Sequence
+from shoal.runtime.engine.request import Sequence, Status
 from shoal.runtime.engine.scheduler import ScheduledBatch
 from shoal.runtime.engine.structured_output import narrow_row, num_words
 from shoal.runtime.executor.model_runner import StepInput
@@ -96,7 +96,8 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
     penalized = repeated = logprobs = False
     bans: dict[int, list[int]] = {}  # min_tokens: EOS (unless ignored) and the stop ids cannot end it yet; bad_words
     masked, biased = [], []
-    for row in [row for row, s in enumerate(seqs) if not s.request.plain_sampling]:
+    # a finished row (a step sampled late, after the one before ended it) is dropped unread: plain
+    for row in [row for row, s in enumerate(seqs) if not s.request.plain_sampling and s.status is not Status.FINISHED]:
         s, p = seqs[row], params[row]
         request = s.request
         if p.min_tokens and len(s.token_ids) + s.num_pending - s.num_prompt_tokens < p.min_tokens and (p.stop_token_ids or not p.ignore_eos):

@@ -188,6 +188,14 @@ class ModelRunner(Executor):
         self.last_tokens = sampled.tokens
         return sampled
 
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, sampling: SamplingMetadata):
+        """Sample the logits of a step launched without its sampling metadata (execute_async
+        returned them, still on the device): one copy in, the tokens not yet read back."""
+        if self.staging is not None:
+            (sampling,) = self.staging.send_fields(sampling)
+        return self._sample(logits, sampling)
+
     def execute(self, step: StepInput, hidden=None, residual=None):
         """Run this rank's layers. Last stage: the sample rows' tokens (a SampleResult) when
         the step carries sampling metadata, else their logits [S, V] float32; other stages:
