@@ -83,7 +83,7 @@ class SamplingParams:
         def bad(msg):
             raise ValueError(msg)
 
-        # Every value here may reach a tensor (torch.tensor(top_k), a generator's seed):
+        # Every value here may reach a tensor (torch.tensor(top_k), the seed):
         # each is an integer or a finite float in a bounded range, or it is refused.
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")

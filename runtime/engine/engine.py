@@ -107,7 +107,6 @@ class LLMEngine:
         model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)
         self.executor = make_executor(config, self.hf_config, self.model_dir, model_len)
-        self.sampling_device = torch.device(config.device).type  # the leader samples on its device
         self.load_times["load"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -169,7 +168,7 @@ class LLMEngine:
         params.check_vocab(self.vocab_size)
         if params.prompt_logprobs is not None and not self.executor.scores_prompts:
             raise ValueError("prompt_logprobs is not supported with tensor or pipeline parallelism")
-        request = Request(request_id, text, ids, params, arrival_time or time.time(), device=self.sampling_device)
+        request = Request(request_id, text, ids, params, arrival_time or time.time())
         request.max_len = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens, self.max_model_len)
         if params.structured_outputs is not None:
             request.grammar = self.structured.compile(params.structured_outputs)  # cached when the server compiled it

@@ -8,8 +8,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from shoal.runtime.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -89,8 +87,6 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if request.params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        seed = request.params.seed
-        self.generator = None if seed is None else torch.Generator(request.device).manual_seed(seed + index)
         self.num_sent_tokens = 0  # output tokens and text already handed out (delta outputs)
         self.num_sent_chars = 0
         # incremental detokenization state
@@ -157,7 +153,6 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
     seqs: list[Sequence] = field(default_factory=list)
-    device: str = "cpu"  # where its seeded generators draw (the device that samples)
     grammar: object = None  # the compiled grammar of params.structured_outputs (structured_output.py)
     allowed_mask: object = None  # params.allowed_token_ids as a packed int32 bitmask row
     bad_words: list[list[int]] | None = None  # params.bad_words as token sequences

@@ -119,7 +119,11 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
             m.top_p = _column([p.top_p for p in params])
         if any(p.min_p > 0 for p in params):
             m.min_p = _column([p.min_p for p in params])
-        m.generators = {row: s.generator for row, s in enumerate(seqs) if s.generator is not None}
+        seeded = [(row, s) for row, (s, p) in enumerate(zip(seqs, params)) if p.seed is not None]
+        if seeded:  # each sequence's own stream: seed + its index, then one draw per token it samples
+            m.seed_rows = _long([row for row, _ in seeded])
+            m.seeds = _long([(params[row].seed + s.index + 2**63) % 2**64 - 2**63 for row, s in seeded])  # int64, wrapped
+            m.seed_steps = _long([len(s.token_ids) + s.num_pending - s.num_prompt_tokens for _, s in seeded])
     fill = [(row, s) for row, s in enumerate(seqs) if s.num_pending] if prev_rows and (repeated or penalized) else []
     spare = 1 if fill else 0  # the token in flight: -1 (no token) until the runner writes it
     if repeated:

@@ -106,7 +106,7 @@ class DistributedExecutor(Executor):
 
     def execute(self, step):
         """Every rank runs the step; the leader samples the logits it gets back (the sampling
-        parameters, with their seeded generators, never travel to the other ranks)."""
+        parameters never travel to the other ranks)."""
         logits = self._call(("step", dataclasses.replace(step, sampling=None)), timed=True)
         return logits if step.sampling is None else self.runner.sample(logits, step.sampling)
 

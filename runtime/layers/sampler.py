@@ -4,9 +4,13 @@ The sampler sees tensors and parameters only (SamplingMetadata, built by the eng
 step_input.py), never the engine's sequences, so it runs wherever the logits are (the
 CPU, or the device). Penalties, min_tokens, temperature, top-k, top-p and min-p are each
 applied only when some row asks for them, so an all-greedy batch costs one argmax.
-Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), drawing E from each
-seeded row's own generator, so a seed gives the same text whatever else is in the batch.
-E is drawn as -log(U): on CPU that is ~4x cheaper than `exponential_` over a 50k vocab.
+Unseeded rows sample by the exponential race (argmax of p / E, E ~ Exp(1)), E drawn as
+-log(U): on CPU that is ~4x cheaper than `exponential_` over a 50k vocab. Seeded rows
+sample by inverse CDF, from one uniform each that is a fixed function of (seed, how many
+tokens the sequence has sampled before): splitmix64 on int64 tensors, one batched op for
+all seeded rows, no generator objects and no per-row work. So a seed gives the same text
+whatever else is in the batch, after a preemption, and on any device that computes the
+same probabilities.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ class SamplingMetadata:
     # [4, F] long (async scheduling): rows whose last token is still in flight; the runner writes
     # it at seen_ids[row, column 1] and output_ids[row, column 2], from the previous step's row 3
     history_fill: torch.Tensor | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    seed_rows: torch.Tensor | None = None  # [K] long: the rows with a seed, with seeds and seed_steps:
+    seeds: torch.Tensor | None = None  # [K] int64: the request's seed + the sequence's index (n > 1)
+    seed_steps: torch.Tensor | None = None  # [K] int64: tokens the sequence sampled before this one
     num_logprobs: list[int | None] | None = None  # per row: top-k log-probabilities wanted, or None
 
     def select(self, row: int) -> "SamplingMetadata":
@@ -59,8 +65,11 @@ class SamplingMetadata:
             mine = self.bias_rows == row
             one["bias_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.bias_rows.device)
             one["bias_ids"], one["bias_values"] = self.bias_ids[mine], self.bias_values[mine]
+        if self.seed_rows is not None:
+            mine = self.seed_rows == row
+            one["seed_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.seed_rows.device)
+            one["seeds"], one["seed_steps"] = self.seeds[mine], self.seed_steps[mine]
         one["all_greedy"] = bool(self.greedy[row])
-        one["generators"] = {0: self.generators[row]} if row in self.generators else {}
         one["num_logprobs"] = None if self.num_logprobs is None else [self.num_logprobs[row]]
         return SamplingMetadata(**one)
 
@@ -112,16 +121,39 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, m: SamplingMetadata) -> torch.
     return logits
 
 
-def _exponentials(shape, m: SamplingMetadata, device) -> torch.Tensor:
-    """E ~ Exp(1) per entry; seeded rows draw theirs from their own generator (made on the
-    sampling device, so a seeded row costs one draw there and no transfer)."""
-    race = torch.rand(shape, device=device)
-    for row, gen in m.generators.items():
-        if gen.device == race.device:
-            torch.rand(shape[1], generator=gen, out=race[row])
-        else:
-            race[row] = torch.rand(shape[1], generator=gen).to(device)
-    return race.log_().neg_()  # U = 0 gives +inf, which never wins the race
+def _exponentials(shape, device) -> torch.Tensor:
+    """E ~ Exp(1) per entry."""
+    return torch.rand(shape, device=device).log_().neg_()  # U = 0 gives +inf, which never wins the race
+
+
+# splitmix64's constants as int64 (torch has no uint64 arithmetic; int64 products wrap the same)
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x >> k as on uint64: torch's >> on int64 copies the sign bit in."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def seeded_uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[K] float64 in (0, 1), a fixed function of each (seed, step) pair (int64 tensors)."""
+    x = _splitmix64(_splitmix64(seeds) + steps)
+    return (_shift_right(x, 11).double() + 0.5) / 2.0**53
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[K, V] probabilities, [K] uniforms -> [K] tokens: the first whose cumulative mass
+    reaches u of the row's total (never a token of probability 0, as u > 0)."""
+    cdf = probs.double().cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(1)
+    return tokens.clamp_(max=probs.shape[1] - 1)
 
 
 _MASK_TABLES: dict[torch.device, torch.Tensor] = {}
@@ -161,7 +193,9 @@ def sample_tokens(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
         return logits.argmax(-1)
     scaled = apply_top_k_top_p_min_p(logits / torch.where(m.greedy, 1.0, m.temperature)[:, None], m)
     probs = scaled.softmax(-1)
-    tokens = (probs / _exponentials(probs.shape, m, probs.device)).argmax(-1)
+    tokens = (probs / _exponentials(probs.shape, probs.device)).argmax(-1)
+    if m.seed_rows is not None:
+        tokens[m.seed_rows] = _inverse_cdf(probs[m.seed_rows], seeded_uniforms(m.seeds, m.seed_steps))
     return torch.where(m.greedy, logits.argmax(-1), tokens)
 
 
