@@ -1,6 +1,6 @@
-"""Seeded rows sample by inverse CDF from one uniform per (seed, step): splitmix64 on int64
-tensors, checked against the reference algorithm in Python integers, and the tokens it
-draws follow the row's distribution."""
+"""Rows sample by inverse CDF from one uniform each; a seeded row's is splitmix64 of (seed,
+step) on int64 tensors, checked against the reference algorithm in Python integers. The
+tokens drawn, seeded or not, follow the row's distribution."""
 
 import random
 
@@ -45,6 +45,18 @@ def test_seeded_tokens_follow_the_distribution_and_never_a_masked_token():
     live = expected > 0
     chi2 = float((((counts - expected) ** 2)[live] / expected[live]).sum())
     assert chi2 < 30, (counts, chi2)  # 3 degrees of freedom: p < 1e-6 beyond 30
+
+
+def test_unseeded_tokens_follow_the_distribution_too():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.05, 0.0, 0.45, 0.3, 0.2])
+    rows = 20000
+    m = SamplingMetadata(temperature=torch.ones(rows), greedy=torch.zeros(rows, dtype=torch.bool), all_greedy=False)
+    counts = torch.bincount(sample_tokens(probs.log().expand(rows, -1).clone(), m), minlength=5).double()
+    assert counts[1] == 0
+    expected = probs.double() * rows
+    live = expected > 0
+    assert float((((counts - expected) ** 2)[live] / expected[live]).sum()) < 30, counts
 
 
 def test_a_seed_gives_the_same_token_at_the_same_step_whatever_the_row_and_different_ones_at_other_steps():

@@ -115,6 +115,7 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int], vocab_size: int,
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         if any(k < vocab_size for k in top_k):
             m.top_k = _column(top_k, torch.long)
+            m.max_top_k = max(k for k in top_k if k < vocab_size)
         if any(p.top_p < 1.0 for p in params):
             m.top_p = _column([p.top_p for p in params])
         if any(p.min_p > 0 for p in params):
