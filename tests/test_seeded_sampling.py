@@ -69,3 +69,11 @@ def test_a_seed_gives_the_same_token_at_the_same_step_whatever_the_row_and_diffe
                          seed_rows=torch.tensor([3]), seeds=torch.tensor([77]), seed_steps=torch.tensor([11]))
     assert int(sample_tokens(crowd, m)[3]) == one[11]
     assert len(set(one)) > 10  # the steps draw different uniforms
+
+
+def test_a_uniform_of_one_never_lands_past_the_last_token_with_mass():
+    from shoal.runtime.layers.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.1, 0.6, 0.3, 0.0, 0.0], [1 / 3, 1 / 3, 1 / 3, 0.0, 0.0]])
+    for u in (1.0, 1.0 - 1e-12, 1.0 - 2**-53):
+        assert _inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64)).tolist() == [2, 2]

@@ -196,8 +196,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[K, V] probabilities, [K] uniforms in (0, 1] -> [K] tokens: the first whose cumulative
     mass reaches u of the row's total (never a token of probability 0, as u > 0)."""
     cdf = probs.cumsum(-1)
-    tokens = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:].double()).to(cdf.dtype))
-    return tokens.squeeze(1).clamp_(max=probs.shape[1] - 1)
+    total = cdf[:, -1:]
+    # u <= 1 and the total is a value of cdf's dtype, so the rounded target never passes it
+    return torch.searchsorted(cdf, (u[:, None] * total.double()).to(cdf.dtype)).squeeze(1)
 
 
 _MASK_TABLES: dict[torch.device, torch.Tensor] = {}
