@@ -154,16 +154,21 @@ def test_a_group_killed_mid_run_loses_no_request_that_had_not_started(router, gr
 
     def one(i):
         body = {"model": "m", "prompt": f"Request {i}: " + "tide " * (20 + i), "max_tokens": 32, "temperature": 0, "ignore_eos": True}
-        return httpx.post(router.base_url + "/v1/completions", json=body, timeout=300)
+        r = httpx.post(router.base_url + "/v1/completions", json=body, timeout=300)
+        return r, time.monotonic()
 
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(one, i) for i in range(n)]
         wait_for(lambda: backends_state(router)[victim.base_url]["in_flight"] > 0, what="requests on the victim")
+        killed_at = time.monotonic()
         victim.proc.send_signal(signal.SIGKILL)
-        results = [f.result() for f in futures]
+        answered = [f.result() for f in futures]
+    results = [r for r, _ in answered]
     assert [r.status_code for r in results] == [200] * n, [r.text[:200] for r in results if r.status_code != 200]
     assert all(r.json()["usage"]["completion_tokens"] == 32 for r in results)
-    assert victim.base_url not in {r.headers["x-shoal-backend"] for r in results}
+    # the victim answered only what it had finished as it was killed (on a loaded machine one may end
+    # between the check above and the kill); everything else went elsewhere
+    assert all(t < killed_at + 1.0 for r, t in answered if r.headers["x-shoal-backend"] == victim.base_url)
     assert metric(router.base_url, "shoal_router_retries_total") >= 1
     wait_for(lambda: not backends_state(router)[victim.base_url]["ready"], what="the victim marked down")
 

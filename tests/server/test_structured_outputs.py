@@ -89,9 +89,11 @@ def test_streaming_json_schema_and_json_object(client, model):
     schema = SCHEMAS[3]
     for fmt, check in (({"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}, lambda v: jsonschema.validate(v, schema)),
                        ({"type": "json_object"}, lambda v: isinstance(v, dict) or pytest.fail(repr(v)))):
-        # json_object: a random model would write keys forever; a bias toward "}" lets it close (the grammar still rules:
-        # "}" is the favourite from the first token, yet the text starts with "{")
-        closing = {str(t): 30 for t in _ids(client, model, "}")} if fmt["type"] == "json_object" else None
+        # json_object: a random model would write keys forever; a bias toward "}" and '"' lets it close (the grammar
+        # still rules: "}" is the favourite from the first token, yet the text starts with "{"; and a first token
+        # '{"' opens a key, where "}" alone would go on forever and '"' ends it)
+        closing = ({str(t): 30 for t in _ids(client, model, "}") + _ids(client, model, '"')}
+                   if fmt["type"] == "json_object" else None)
         stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=300, stream=True, seed=3, temperature=1.0,
                                                 response_format=fmt, logit_bias=closing)
         text, finish = "", None
