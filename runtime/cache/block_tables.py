@@ -52,10 +52,8 @@ class BlockTables:
             self.free_rows.append(row)
             seq.kv_row = None
 
-    def rows(self, seqs) -> np.ndarray:
-        return np.fromiter([s.kv_row for s in seqs], dtype=np.int64, count=len(seqs))
-
-    def gather(self, rows: np.ndarray) -> np.ndarray:
-        """[len(rows), longest] int64: those rows' block tables, zero-padded."""
+    def gather(self, seqs) -> np.ndarray:
+        """[len(seqs), longest] int64: their block tables, zero-padded."""
+        rows = np.fromiter([s.kv_row for s in seqs], dtype=np.int64, count=len(seqs))
         width = max(1, int(self.lengths[rows].max()))
         return self.table[rows, :width]

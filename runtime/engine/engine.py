@@ -176,7 +176,6 @@ class LLMEngine:
             request.allowed_mask = pack_ids(params.allowed_token_ids, self.vocab_size)
         if params.bad_words:
             request.bad_words = bad_words.token_sequences(self.tokenizer, params.bad_words)
-        request.needs_history = bool(request.grammar is not None or request.bad_words)
         detokenizer.start(request.seqs[0])
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
@@ -273,7 +272,7 @@ class LLMEngine:
         prev_rows = prev.rows() if prev is not None else None
         step = prepare(batch, rows, self.block_size, self.kv.tables, plan, prev_rows)
         # a row that reads its tokens on the host (bad words, a grammar) with one still in flight
-        sample_later = self.overlap and any(seq.num_pending and seq.request.needs_history for seq in targets)
+        sample_later = prev is not None and any(seq.num_pending and seq.request.needs_history for seq in targets)
         if targets and not sample_later:
             step.sampling = sampling_metadata(targets, self.eos_ids, self.vocab_size, self.structured, prev_rows)
         scoring = prompt_scoring(batch)

@@ -157,10 +157,6 @@ class Request:
     allowed_mask: object = None  # params.allowed_token_ids as a packed int32 bitmask row
     bad_words: list[list[int]] | None = None  # params.bad_words as token sequences
     max_len: int = 1 << 62  # its sequences end at this many tokens (max_tokens, the context): LLMEngine sets it
-    # its sampling reads the tokens so far on the host (bad words, a grammar), so a step cannot
-    # be scheduled before the previous one's tokens are back (async scheduling); penalties
-    # read them on the device, where the runner adds the token in flight (history_fill)
-    needs_history: bool = False
 
     def __post_init__(self):
         self.metrics = RequestMetrics(self.arrival_time)
@@ -181,6 +177,13 @@ class Request:
         return (self.grammar is None and self.allowed_mask is None and not self.bad_words and not p.logit_bias
                 and not (p.min_tokens and (p.stop_token_ids or not p.ignore_eos)) and p.logprobs is None
                 and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty)
+
+    @functools.cached_property
+    def needs_history(self) -> bool:
+        """Whether its sampling reads the tokens so far on the host (bad words, a grammar), so
+        a step cannot sample before the previous one's tokens are back (async scheduling);
+        penalties read them on the device, where the runner adds the token in flight."""
+        return self.grammar is not None or bool(self.bad_words)
 
     @property
     def forked(self) -> bool:

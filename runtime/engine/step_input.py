@@ -51,7 +51,7 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, tabl
     ids = [0 if s.num_pending else s.token_ids[s.num_computed] for s in decodes]
     fill = [(i, prev_rows[s]) for i, s in enumerate(decodes) if s.num_pending] if prev_rows else None
     pos = np.fromiter((s.num_computed for s in decodes), dtype=np.int64, count=nd)
-    decode_tables = tables.gather(tables.rows(decodes)) if decodes else None
+    decode_tables = tables.gather(decodes) if decodes else None
     slots = [decode_tables[np.arange(nd), pos // block_size] * block_size + pos % block_size] if decodes else []
     positions = [pos]
     starts = [0]
@@ -66,7 +66,7 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, tabl
         num_decode_tokens=nd,
         decode_block_tables=torch.from_numpy(decode_tables) if decodes and decode_plan is None else None,
         decode_context_lens=torch.from_numpy(pos + 1) if decodes else None,
-        prefill_block_tables=torch.from_numpy(tables.gather(tables.rows(prefills))) if prefills else None,
+        prefill_block_tables=torch.from_numpy(tables.gather(prefills)) if prefills else None,
         prefill_query_start_loc=_long(starts) if prefills else None,
         prefill_context_lens=_long([s.num_computed + n for s, n in zip(prefills, chunks)]) if prefills else None,
         decode_plan=decode_plan,

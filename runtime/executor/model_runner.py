@@ -19,7 +19,7 @@ from shoal.runtime.executor.staging import Staging
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
-from shoal.runtime.layers.sampler import Finished, SampleResult, SamplingMetadata, sample, sample_on_device
+from shoal.runtime.layers.sampler import Finished, SampleResult, SamplingMetadata, sample_on_device
 from shoal.runtime.models.llama import LlamaForCausalLM
 from shoal.runtime.models.loader import iter_weights
 
@@ -169,9 +169,7 @@ class ModelRunner(Executor):
 
     def sample(self, logits: torch.Tensor, sampling: SamplingMetadata) -> SampleResult:
         """Sample on the device; the tokens (and logprobs) come back in one transfer."""
-        if self.staging is not None:
-            (sampling,) = self.staging.send_fields(sampling)
-        return sample(logits, sampling)
+        return self.sample_async(logits, sampling).result()
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingMetadata):
         """The step's tokens, not yet read back; kept on the device for the next step's fill_rows

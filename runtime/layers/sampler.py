@@ -58,18 +58,13 @@ class SamplingMetadata:
     def select(self, row: int) -> "SamplingMetadata":
         """The metadata of one row alone (a batch of one)."""
         one = {k: v[row : row + 1] if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()}
-        if self.banned_rows is not None:
-            mine = self.banned_rows == row
-            one["banned_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.banned_rows.device)
-            one["banned_ids"] = self.banned_ids[mine]
-        if self.bias_rows is not None:
-            mine = self.bias_rows == row
-            one["bias_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.bias_rows.device)
-            one["bias_ids"], one["bias_values"] = self.bias_ids[mine], self.bias_values[mine]
-        if self.seed_rows is not None:
-            mine = self.seed_rows == row
-            one["seed_rows"] = torch.zeros(int(mine.sum()), dtype=torch.long, device=self.seed_rows.device)
-            one["seeds"], one["seed_steps"] = self.seeds[mine], self.seed_steps[mine]
+        # entries addressed by row number (rows, then their values): that row's, renumbered 0
+        for rows, *values in (("banned_rows", "banned_ids"), ("bias_rows", "bias_ids", "bias_values"),
+                              ("seed_rows", "seeds", "seed_steps")):
+            if one[rows] is not None:
+                mine = getattr(self, rows) == row
+                one[rows] = torch.zeros(int(mine.sum()), dtype=torch.long, device=mine.device)
+                one.update({name: getattr(self, name)[mine] for name in values})
         one["all_greedy"] = bool(self.greedy[row])
         one["num_logprobs"] = None if self.num_logprobs is None else [self.num_logprobs[row]]
         return SamplingMetadata(**one)
@@ -137,15 +132,24 @@ def _top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def _keep_top_k(ordered: torch.Tensor, top_k: torch.Tensor | None) -> torch.Tensor:
+    """Logits sorted largest first, with each row's entries past its k set to -inf."""
+    if top_k is None:
+        return ordered
+    ranks = torch.arange(ordered.shape[1], device=ordered.device)[None, :]
+    return ordered.masked_fill(ranks >= top_k.clamp(max=ordered.shape[1])[:, None], float("-inf"))
+
+
+def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """For probabilities sorted largest first: True past each row's nucleus. The token that
+    crosses p is kept; a row with p = 1 keeps all (its float sum may reach 1 early)."""
+    return ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+
+
 def _top_k_top_p_sorted(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    vocab = logits.shape[1]
     sorted_logits, order = logits.sort(-1, descending=True)
-    if m.top_k is not None:
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= m.top_k.clamp(max=vocab)[:, None], float("-inf"))
-    sorted_probs = sorted_logits.softmax(-1)
-    # keep the token that crosses p; a row with p = 1 keeps all (its float sum may reach 1 early)
-    drop = ((sorted_probs.cumsum(-1) - sorted_probs) >= m.top_p[:, None]) & (m.top_p < 1.0)[:, None]
+    sorted_logits = _keep_top_k(sorted_logits, m.top_k)
+    drop = _past_nucleus(sorted_logits.softmax(-1), m.top_p)
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
@@ -153,19 +157,15 @@ def _top_k_top_p_among(logits: torch.Tensor, m: SamplingMetadata, count: int) ->
     """top-k then top-p among each row's `count` largest logits (count >= every k asked for),
     or None when a row's candidates hold less than its p of the mass (its nucleus may reach
     past them). The probabilities are the full distribution's (or top-k's, where set)."""
-    vocab = logits.shape[1]
     values, index = logits.topk(count, dim=-1)  # sorted, largest first
-    limited = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # rows with a top-k
-    if m.top_k is not None:
-        ranks = torch.arange(count, device=logits.device)[None, :]
-        values = values.masked_fill(ranks >= m.top_k.clamp(max=count)[:, None], float("-inf"))
-        limited = m.top_k < vocab
+    values = _keep_top_k(values, m.top_k)
+    limited = (m.top_k < logits.shape[1]) if m.top_k is not None else torch.zeros_like(m.top_p, dtype=torch.bool)
     norm = torch.where(limited, values.logsumexp(-1), logits.logsumexp(-1))
     probs = (values - norm[:, None]).exp()
     whole = m.top_p >= 1.0  # top-p off: keeps what top-k kept, or everything
     if not bool(((probs.sum(-1) >= m.top_p) | whole).all()):
         return None
-    drop = ((probs.cumsum(-1) - probs) >= m.top_p[:, None]) & ~whole[:, None]
+    drop = _past_nucleus(probs, m.top_p)
     out = torch.full_like(logits, float("-inf")).scatter_(1, index, values.masked_fill(drop, float("-inf")))
     return torch.where((whole & ~limited)[:, None], logits, out)
 
