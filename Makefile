@@ -38,4 +38,4 @@ e2e: $(STAMP)
 # shoal.*). Writes to $OUT, else ./out. No GPU: says so and exits 0. GPU_CHECK_ARGS=--smoke: CPU.
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	$(GPU_CHECK_PY) tools/nopip.py -m shoal.runtime.gpu_check $(GPU_CHECK_ARGS)
+	$(GPU_CHECK_PY) tools/nopip.py -m shoal.runtime.bench.gpu_check $(GPU_CHECK_ARGS)

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     router_args.add_arguments(router)
 
     bench = sub.add_parser("bench", help="throughput, latency and serving benchmarks")
-    from shoal.runtime import bench_args
+    from shoal.runtime.bench import args as bench_args
 
     bench_args.add_arguments(bench)
 

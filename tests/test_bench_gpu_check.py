@@ -44,7 +44,7 @@ def test_nopip_imports_the_checkout_without_server_packages(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(textwrap.dedent(f"""
         import importlib, importlib.util, sys
-        import shoal.runtime.gpu_check, shoal.runtime.bench, shoal.runtime.bench_step, shoal.runtime.bench_models
+        import shoal.runtime.bench.gpu_check, shoal.runtime.bench.offline, shoal.runtime.bench.step, shoal.runtime.bench.models
         import shoal.runtime.entrypoints.llm, shoal.runtime.executor.model_runner, shoal.kernels.bench
         import shoal.runtime as rt
         assert rt.__file__ == {str(REPO / "runtime" / "__init__.py")!r}, rt.__file__
@@ -78,7 +78,7 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = _blocking_site(tmp_path)
     env["OUT"] = str(out)
-    r = subprocess.run([sys.executable, str(LAUNCHER), "-m", "shoal.runtime.gpu_check", "--smoke"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, str(LAUNCHER), "-m", "shoal.runtime.bench.gpu_check", "--smoke"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "gpu_check.json").read_text())
@@ -101,7 +101,7 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
 
 def test_gpu_check_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatch):
     """Failure isolation: a part that raises is recorded; the next part still runs."""
-    from shoal.runtime import gpu_check
+    from shoal.runtime.bench import gpu_check
 
     out = tmp_path / "out"
     env = _blocking_site(tmp_path)
@@ -139,7 +139,7 @@ def test_bench_step_tiny_reports_sane_json(tmp_path, monkeypatch):
 
 def test_trace_figures_from_a_gpu_shaped_trace():
     """Busy share, blocked host time and per-step counts from kineto's chrome-trace categories."""
-    from shoal.runtime.bench_step import STEP_MARK, WINDOW_MARK, analyze_trace
+    from shoal.runtime.bench.step import STEP_MARK, WINDOW_MARK, analyze_trace
 
     def x(cat, name, ts, dur):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -172,7 +172,7 @@ def test_trace_figures_from_a_gpu_shaped_trace():
 
 
 def test_gpu_workload_is_fixed():
-    from shoal.runtime import workloads
+    from shoal.runtime.bench import workloads
 
     items = workloads.gpu()
     assert len(items) == 256
@@ -185,7 +185,7 @@ def test_gpu_workload_is_fixed():
 def test_random_model_loads_in_transformers_and_is_reused(tmp_path):
     from transformers import AutoConfig
 
-    from shoal.runtime.bench_models import make_random_model
+    from shoal.runtime.bench.models import make_random_model
     from shoal.runtime.models.loader import load_tokenizer
 
     path = make_random_model("tiny-step", tmp_path / "m", dtype="bfloat16")

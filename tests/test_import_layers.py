@@ -12,16 +12,15 @@ FOLDERS = {"shoal": "shoal", "shoal.runtime": "runtime", "shoal.kernels": "kerne
 
 # part -> level; a module may import parts of a lower level (docs/layout.md has the same table)
 LEVELS = {
-    "shoal.runtime.cli": 10, "shoal.runtime.bench_args": 9, "shoal.runtime.gpu_check": 9,
-    "shoal.runtime.bench": 8, "shoal.runtime.bench_serve": 8, "shoal.runtime.bench_step": 8, "shoal.runtime.router": 8,
-    "shoal.runtime.bench_models": 7,
+    "shoal.runtime.cli": 10,
+    "shoal.runtime.bench": 8, "shoal.runtime.router": 8,
     "shoal.runtime.entrypoints": 7,
     "shoal.runtime.engine": 6,
     "shoal.runtime.executor": 5, "shoal.runtime.cache": 5,
     "shoal.runtime.models": 4,
     "shoal.runtime.layers": 3,
     "shoal.runtime.config": 2, "shoal.runtime.distributed": 2, "shoal.runtime.cpu_memory": 2,
-    "shoal.runtime.sampling_params": 2, "shoal.runtime.metrics": 2, "shoal.runtime.workloads": 2,
+    "shoal.runtime.sampling_params": 2, "shoal.runtime.metrics": 2,
     "shoal.kernels": 1,
 }
 
@@ -45,7 +44,15 @@ def imports_of(path: Path) -> set[str]:
             for a in node.names:  # `from pkg import module` imports the module, else the package
                 sub = f"{node.module}.{a.name}"
                 found.add(sub if sub in MODULES else node.module)
+        elif isinstance(node, ast.Call) and _dynamic_import(node):  # __import__("shoal.x"), import_module("shoal.x")
+            found.add(node.args[0].value)
     return found
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    name = getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+    return (name in ("__import__", "import_module") and bool(call.args) and isinstance(call.args[0], ast.Constant)
+            and str(call.args[0].value).startswith("shoal"))
 
 
 def part_of(module: str) -> str | None:
@@ -97,3 +104,38 @@ def test_no_import_circles():
     for m in sorted(GRAPH):
         if m not in state:
             visit(m, [m])
+
+
+def test_dynamic_imports_are_seen(tmp_path):
+    """`__import__` and `importlib.import_module` with a literal name count as imports."""
+    src = tmp_path / "m.py"
+    src.write_text("import importlib\n"
+                   "def f():\n    return __import__('shoal.runtime.cli', fromlist=['main'])\n"
+                   "def g():\n    return importlib.import_module('shoal.runtime.engine.engine')\n")
+    assert imports_of(src) == {"shoal.runtime.cli", "shoal.runtime.engine.engine"}
+
+
+def _layout_rows() -> dict[str, int]:
+    """docs/layout.md's table as {module or package: level}; files in a row that name no folder
+    sit beside the row's first one (`runtime/config.py`, `distributed.py`)."""
+    import re
+
+    rows = {}
+    for line in (REPO / "docs" / "layout.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or not cells[0].isdigit():
+            continue
+        paths = re.findall(r"`([^`]+)`", cells[2])
+        base = paths[0].rstrip("/").rsplit("/", 1)[0]
+        for path in paths:
+            full = path if "/" in path else f"{base}/{path}"
+            assert (REPO / full).exists(), f"docs/layout.md names {full}, which does not exist"
+            folder, _, rest = full.rstrip("/").partition("/")
+            package = {v: k for k, v in FOLDERS.items()}[folder]
+            parts = Path(rest).with_suffix("").parts if rest else ()
+            rows[".".join([package, *parts])] = int(cells[0])
+    return rows
+
+
+def test_layout_doc_matches_the_levels():
+    assert _layout_rows() == LEVELS

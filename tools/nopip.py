@@ -1,7 +1,7 @@
 """Run Shoal from a checkout without installing it: maps the folders onto the shoal.*
 namespace the way setup.py's package_dir does, then runs a module or a script.
 
-    python3 tools/nopip.py -m shoal.runtime.gpu_check [ARGS...]
+    python3 tools/nopip.py -m shoal.runtime.bench.gpu_check [ARGS...]
     python3 tools/nopip.py path/to/script.py [ARGS...]
 
 A meta-path finder resolves `shoal`, `shoal.runtime`, `shoal.kernels` and `shoal.operator`

@@ -1,6 +1,6 @@
 """`--workload multi-tenant`: tenants' shared system prompts, turns that repeat the turns before."""
 
-from shoal.runtime import workloads
+from shoal.runtime.bench import workloads
 
 
 def test_turns_extend_the_previous_turns_behind_the_tenants_system_prompt():

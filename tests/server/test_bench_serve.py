@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from shoal.runtime import bench_serve
+from shoal.runtime.bench import serve as bench_serve
+from shoal.runtime.bench import workloads
 
 
 def test_bench_serve_sweep(server, tmp_path, capsys):
@@ -19,7 +20,7 @@ def test_bench_serve_sweep(server, tmp_path, capsys):
     assert [r["request_rate"] for r in report["runs"]] == [4.0, "inf"]
     for r in report["runs"]:
         assert r["completed"] == 6 and r["failed"] == 0
-        assert r["output_tokens"] == sum(it.output_len for it in bench_serve.sharegpt_like(6, 1, (8, 32), (2, 4)))
+        assert r["output_tokens"] == sum(it.output_len for it in workloads.sharegpt_like(6, 1, (8, 32), (2, 4)))
         for key in ("ttft_s", "e2e_s"):
             assert 0 < r[key]["p50"] <= r[key]["p99"]
         assert r["output_throughput"] > 0
@@ -29,9 +30,9 @@ def test_bench_serve_sweep(server, tmp_path, capsys):
 
 
 def test_workloads_are_fixed():
-    a, b = bench_serve.sharegpt_like(20, 0), bench_serve.sharegpt_like(20, 0)
+    a, b = workloads.sharegpt_like(20, 0), workloads.sharegpt_like(20, 0)
     assert [(x.prompt, x.output_len) for x in a] == [(x.prompt, x.output_len) for x in b]
-    pub = bench_serve.public_workload()
+    pub = workloads.public_workload()
     assert len(pub) == 32
     assert sum(len(x.prompt) for x in pub) == 8879 and sum(x.output_len for x in pub) == 4295  # PERFORMANCE.md's totals
 
@@ -46,7 +47,7 @@ def test_bench_serve_chat_single_rate_goodput_and_plot(server, tmp_path, capsys)
                          "--endpoint", "/v1/chat/completions", "--goodput", "ttft:600000", "tpot:1", "--json", str(out), "--plot", str(png), "--seed", "2"])
     assert args.func(args) == 0
     run = json.loads(out.read_text())["runs"][0]
-    items = bench_serve.sharegpt_like(5, 2, (8, 24), (3, 5))
+    items = workloads.sharegpt_like(5, 2, (8, 24), (3, 5))
     assert run["completed"] == 5 and run["endpoint"] == "/v1/chat/completions"
     assert run["output_tokens"] == sum(it.output_len for it in items)
     assert run["input_tokens"] > sum(len(it.prompt) for it in items)  # the chat template's tokens too

@@ -50,39 +50,12 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shoal.runtime.bench.workloads import Item
 
 MODEL_DEFAULT = None  # ask the server's /v1/models
-
-
-# ------------------------------------------------------------------------------ workloads
-@dataclass
-class Item:
-    prompt: list[int]
-    output_len: int
-
-
-def sharegpt_like(num: int, seed: int = 0, input_range=(16, 1024), output_range=(16, 512)) -> list[Item]:
-    """Log-uniform prompt and output lengths (ShareGPT's shape: most short, a long tail)."""
-    import numpy as np
-
-    rng = np.random.Generator(np.random.PCG64(seed))
-
-    def loguniform(lo, hi, size):
-        return np.exp(rng.uniform(math.log(lo), math.log(hi + 1), size)).astype(int).clip(lo, hi)
-
-    ins = loguniform(*input_range, num)
-    outs = loguniform(*output_range, num)
-    return [Item(rng.integers(1000, 40000, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
-
-
-def public_workload(num: int = 32, seed: int = 0) -> list[Item]:
-    """PERFORMANCE.md's public workload: uniform lengths, PCG64(seed), lengths then ids."""
-    import numpy as np
-
-    rng = np.random.Generator(np.random.PCG64(seed))
-    ins = rng.integers(16, 512, num, endpoint=True)
-    outs = rng.integers(16, 256, num, endpoint=True)
-    return [Item(rng.integers(1000, 40000, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
 
 
 # ------------------------------------------------------------------------------ one request
@@ -475,7 +448,9 @@ async def _direct_vs_router(direct: str, router: str, n: int, seed: int) -> dict
     import httpx
     import numpy as np
 
-    a = b = sharegpt_like(n, seed + 11, (16, 16), (4, 4))
+    from shoal.runtime.bench import workloads
+
+    a = b = workloads.sharegpt_like(n, seed + 11, (16, 16), (4, 4))
     ttft: dict[str, list[float]] = {"direct": [], "via_router": []}
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600, connect=30)) as client:
         model = (await client.get(direct + "/v1/models")).json()["data"][0]["id"]
@@ -580,14 +555,14 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def workload_from_args(args, salt: int = 0) -> list[Item]:
-    if args.workload == "multi-tenant":
-        from shoal.runtime import workloads
+    from shoal.runtime.bench import workloads
 
+    if args.workload == "multi-tenant":
         return workloads.multi_tenant(args.tenants, args.conversations, args.turns, args.system_len, _range(args.turn_len),
                                       args.answer_len, args.seed, salt)
     if args.workload == "public":
-        return public_workload(args.num_prompts if args.num_prompts != 100 else 32, args.seed)
-    return sharegpt_like(args.num_prompts, args.seed, _range(args.input_len), _range(args.output_len))
+        return workloads.public_workload(args.num_prompts if args.num_prompts != 100 else 32, args.seed)
+    return workloads.sharegpt_like(args.num_prompts, args.seed, _range(args.input_len), _range(args.output_len))
 
 
 def _engine_kwargs(engine_args: list[str]) -> dict:

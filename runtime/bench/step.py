@@ -326,7 +326,7 @@ def _kv_bytes_needed(model_dir, dtype: str, tokens: int) -> int:
 
 def step(args) -> int:
     """The CLI entry: `shoal bench step`."""
-    from shoal.runtime import bench_models
+    from shoal.runtime.bench import models as bench_models
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.entrypoints.llm import LLM
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,10 +19,7 @@ class Item:
 def public() -> list[Item]:
     """PERFORMANCE.md's workload: 32 requests, prompts U[16, 512], outputs U[16, 256],
     ids U[1000, 40000), one PCG64(0) generator drawn in that order (8,879 / 4,295 tokens)."""
-    rng = np.random.Generator(np.random.PCG64(0))
-    prompt_lens = rng.integers(16, 512, 32, endpoint=True)
-    output_lens = rng.integers(16, 256, 32, endpoint=True)
-    return [Item(rng.integers(1000, 40000, n).tolist(), int(m)) for n, m in zip(prompt_lens, output_lens)]
+    return public_workload(32, 0)
 
 
 def gpu(num_prompts: int | None = None) -> list[Item]:
@@ -33,6 +31,26 @@ def gpu(num_prompts: int | None = None) -> list[Item]:
     output_lens = rng.integers(32, 256, 256, endpoint=True)
     items = [Item(rng.integers(100, 40000, n).tolist(), int(m)) for n, m in zip(prompt_lens, output_lens)]
     return items[:num_prompts] if num_prompts else items
+
+
+def sharegpt_like(num: int, seed: int = 0, input_range=(16, 1024), output_range=(16, 512)) -> list[Item]:
+    """Log-uniform prompt and output lengths (ShareGPT's shape: most short, a long tail)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+
+    def loguniform(lo, hi, size):
+        return np.exp(rng.uniform(math.log(lo), math.log(hi + 1), size)).astype(int).clip(lo, hi)
+
+    ins = loguniform(*input_range, num)
+    outs = loguniform(*output_range, num)
+    return [Item(rng.integers(1000, 40000, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
+
+
+def public_workload(num: int = 32, seed: int = 0) -> list[Item]:
+    """PERFORMANCE.md's public workload: uniform lengths, PCG64(seed), lengths then ids."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    ins = rng.integers(16, 512, num, endpoint=True)
+    outs = rng.integers(16, 256, num, endpoint=True)
+    return [Item(rng.integers(1000, 40000, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
 
 
 def _log_uniform(rng, low: int, high: int, n: int) -> np.ndarray:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from shoal.runtime import workloads
+from shoal.runtime.bench import workloads
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -26,7 +26,7 @@ def _engine(args):
     from shoal.runtime.entrypoints.llm import LLM
 
     if getattr(args, "random_model", None):  # a random-weight HF directory, made once and reused
-        from shoal.runtime.bench_models import make_random_model
+        from shoal.runtime.bench.models import make_random_model
 
         dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
         args.model = str(make_random_model(args.random_model, dtype=dtype, device=args.device or "cpu"))

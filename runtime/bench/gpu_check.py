@@ -1,7 +1,7 @@
 """`make gpu-check`: everything issue 17 measures on a GPU, in one command of under 8 minutes.
 
-    python3 tools/nopip.py -m shoal.runtime.gpu_check            # a GPU machine, no pip install
-    python3 tools/nopip.py -m shoal.runtime.gpu_check --smoke    # the same parts on CPU, tiny models
+    python3 tools/nopip.py -m shoal.runtime.bench.gpu_check            # a GPU machine, no pip install
+    python3 tools/nopip.py -m shoal.runtime.bench.gpu_check --smoke    # the same parts on CPU, tiny models
 
 Parts, each in its own process, time-boxed (a part that fails or overruns is recorded
 and the next one runs):
@@ -67,7 +67,7 @@ SMOKE = dict(
 
 
 def _model(preset: str, dtype: str, device: str) -> str:
-    from shoal.runtime.bench_models import make_random_model
+    from shoal.runtime.bench.models import make_random_model
 
     return str(make_random_model(preset, dtype=dtype, device=device))
 
@@ -129,7 +129,7 @@ def part_parity(cfg: dict) -> dict:
 
 
 def part_throughput(cfg: dict, out: Path) -> dict:
-    from shoal.runtime import bench
+    from shoal.runtime.bench import offline as bench
 
     c = cfg["throughput"]
     args = argparse.Namespace(
@@ -144,7 +144,7 @@ def part_throughput(cfg: dict, out: Path) -> dict:
 
 
 def part_step(cfg: dict, out: Path) -> dict:
-    from shoal.runtime import bench_step
+    from shoal.runtime.bench import step as bench_step
     from shoal.runtime.entrypoints.llm import LLM
 
     c = cfg["step"]
@@ -237,7 +237,7 @@ def run_part(name: str, smoke: bool, out: Path, budget: float) -> int:
 def _child_command(name: str, smoke: bool, out: Path, budget: float) -> list[str]:
     launcher = os.environ.get("SHOAL_NOPIP")  # tools/nopip.py set it: the children need the alias too
     head = [sys.executable, launcher] if launcher and os.path.exists(launcher) else [sys.executable]
-    cmd = head + ["-m", "shoal.runtime.gpu_check", "--part", name, "--out", str(out), "--budget", f"{budget:.0f}"]
+    cmd = head + ["-m", "shoal.runtime.bench.gpu_check", "--part", name, "--out", str(out), "--budget", f"{budget:.0f}"]
     return cmd + (["--smoke"] if smoke else [])
 
 

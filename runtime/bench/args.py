@@ -49,37 +49,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.set_defaults(func=_run_step)
 
     mm = sub.add_parser("make-model", help="write a random-weight HF model directory (prints its path)")
-    from shoal.runtime import bench_models
+    from shoal.runtime.bench import models as bench_models
 
     bench_models.add_arguments(mm)
 
     serve = sub.add_parser("serve", help="load test a running server (Poisson arrivals)")
-    from shoal.runtime import bench_serve
+    from shoal.runtime.bench import serve as bench_serve
 
     bench_serve.add_arguments(serve)
 
     kern = sub.add_parser("kernels", help="check and time the Triton kernels on a GPU")
     kern.add_argument("rest", nargs=argparse.REMAINDER)
-    kern.set_defaults(func=lambda args: __import__("shoal.kernels.bench", fromlist=["main"]).main(args.rest))
+    kern.set_defaults(func=_run_kernels)
 
 
 def _run(name):
     def run(args):
-        from shoal.runtime import bench
+        from shoal.runtime.bench import offline as bench
 
         return getattr(bench, name)(args)
 
     return run
 
 
+def _run_kernels(args):
+    from shoal.kernels import bench as kernels_bench
+
+    return kernels_bench.main(args.rest)
+
+
 def _run_step(args):
-    from shoal.runtime import bench_step
+    from shoal.runtime.bench import step as bench_step
 
     return bench_step.step(args)
 
 
 def _random_model_arg(p: argparse.ArgumentParser) -> None:
-    from shoal.runtime.bench_models import PRESETS
+    from shoal.runtime.bench.models import PRESETS
 
     p.add_argument("--random-model", choices=sorted(PRESETS),
                    help="instead of MODEL: a random-weight model of this shape in --dtype (made once, in the cache); "
