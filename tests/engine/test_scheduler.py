@@ -1,0 +1,120 @@
+"""The scheduler on its own: no model, no KV cache, a fake manager that answers yes or no.
+
+The scheduler's contract with the KV-cache manager is a yes/no question per sequence
+(`allocate(seq, tokens)`); here the manager is a token-slot counter, so each test states
+exactly how much room there is and checks what the scheduler did with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.runtime.engine.request import Request, Status
+from shoal.runtime.engine.scheduler import Scheduler
+from shoal.runtime.sampling_params import SamplingParams
+
+
+class FakeKV:
+    """Room for `capacity` token slots, counted per sequence; no prefix cache."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.held: dict[int, int] = {}
+
+    def allocate(self, seq, num_tokens: int) -> bool:
+        more = num_tokens - self.held.get(seq.seq_id, 0)
+        if more > self.capacity - sum(self.held.values()):
+            return False
+        self.held[seq.seq_id] = max(num_tokens, self.held.get(seq.seq_id, 0))
+        return True
+
+    def free(self, seq) -> None:
+        """As the real manager: the sequence's KV is gone, so it computes again from the start."""
+        self.held.pop(seq.seq_id, None)
+        seq.num_computed = 0
+
+    def reuse_prefix(self, seq) -> None:
+        pass
+
+    def cache_full_blocks(self, seqs) -> None:
+        pass
+
+
+def request(n_prompt: int, priority: int = 0, arrival: float = 0.0):
+    req = Request(f"r{arrival}", None, list(range(n_prompt)), SamplingParams(max_tokens=8, priority=priority), arrival_time=arrival)
+    return req.seqs[0]
+
+
+def run_step(sched: Scheduler):
+    """Schedule, pretend the model ran, and give each sequence whose prompt is done a token."""
+    batch = sched.schedule()
+    sched.after_step(batch)
+    for seq in batch.seqs:
+        if seq.num_computed == len(seq.token_ids):
+            seq.token_ids.append(7)
+    return batch
+
+
+def test_prefill_is_chunked_to_the_token_budget_and_decodes_go_first():
+    sched = Scheduler(FakeKV(10_000), max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = request(40, arrival=0), request(100, arrival=1)
+    sched.add(a)
+    sched.add(b)
+    first = run_step(sched)
+    assert [s.seq_id for s in first.seqs] == [a.seq_id, b.seq_id] and first.num_new_tokens == [40, 24]
+    second = run_step(sched)  # a decodes (1 token, first), b's prefill continues with the rest of the budget
+    assert [s.seq_id for s in second.seqs] == [a.seq_id, b.seq_id]
+    assert second.num_new_tokens == [1, 63] and second.num_decodes == 1
+    assert sum(second.num_new_tokens) <= 64
+
+
+def test_no_room_means_no_admission_and_nothing_held():
+    kv = FakeKV(50)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=512)
+    big = request(80)
+    sched.add(big)
+    assert not sched.schedule()  # the manager said no: nothing scheduled, nothing taken
+    assert kv.held == {} and big.status is Status.WAITING and sched.waiting == [big]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    sched = Scheduler(FakeKV(10_000), max_num_seqs=2, max_num_batched_tokens=512)
+    seqs = [request(4, arrival=i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    batch = run_step(sched)
+    assert len(batch.seqs) == 2 and len(sched.running) == 2 and sched.waiting == [seqs[2]]
+
+
+def test_out_of_room_preempts_the_latest_and_it_comes_back():
+    kv = FakeKV(20)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=512)
+    early, late = request(10, arrival=0), request(9, arrival=1)
+    sched.add(early)
+    sched.add(late)
+    run_step(sched)  # both prefill: 19 of 20 slots
+    run_step(sched)  # early decodes into slot 20; late needs one more: no room, late is preempted
+    assert sched.num_preemptions == 1
+    assert late.status is Status.WAITING and late.seq_id not in kv.held and early.status is Status.RUNNING
+    sched.remove(early)  # early finishes: its room lets late back in, recomputed from scratch
+    known = len(late.token_ids)
+    batch = run_step(sched)
+    assert batch.seqs == [late] and batch.num_new_tokens == [known]
+
+
+def test_priority_policy_orders_admission():
+    sched = Scheduler(FakeKV(10_000), max_num_seqs=1, max_num_batched_tokens=512, policy="priority")
+    low, high = request(4, priority=5, arrival=0), request(4, priority=-1, arrival=1)
+    sched.add(low)
+    sched.add(high)
+    assert run_step(sched).seqs == [high]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_budget_is_never_exceeded(policy):
+    sched = Scheduler(FakeKV(4_000), max_num_seqs=16, max_num_batched_tokens=96, policy=policy)
+    for i in range(12):
+        sched.add(request(13 + 17 * i, priority=i % 3, arrival=i))
+    for _ in range(40):
+        batch = run_step(sched)
+        assert batch.num_tokens <= 96
+        assert len(sched.running) <= 16
