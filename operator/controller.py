@@ -293,7 +293,8 @@ class Controller:
             sts = render.group_statefulset(body, revision, index, self.cluster_domain)
             for companion in render.group_companions(body, revision, index):   # before its pods exist
                 self._apply_now(kube, companion)
-            self._apply_now(kube, sts)
+            if not self._apply_now(kube, sts):
+                continue   # an object of that name is still going away: nothing was created, say nothing
             groups.append(rollout.Group(sts["metadata"]["name"], revision, index, ready=False))
             self.events(body, "Normal", "GroupCreated",
                         f"created group {sts['metadata']['name']} (revision {revision})")
@@ -357,15 +358,17 @@ class Controller:
                meta["labels"].get(render.L_DEPLOYMENT, ""))
         if not verify and self.applied.get(key) == want:
             return
-        self._apply_now(kube, obj)
-        self.applied[key] = want
+        if self._apply_now(kube, obj):
+            self.applied[key] = want
 
-    def _apply_now(self, kube: Kube, obj: dict[str, Any]) -> None:
+    def _apply_now(self, kube: Kube, obj: dict[str, Any]) -> bool:
+        """Apply unless unchanged; False when an object of that name is still being deleted
+        (nothing is written: the next round creates it once it is gone)."""
         meta = obj["metadata"]
         existing = self._get_quietly(kube, obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if existing is not None:
             if existing["metadata"].get("deletionTimestamp"):
-                return  # still going away; the next round recreates it
+                return False
             have = ((existing.get("metadata") or {}).get("annotations") or {}).get(render.A_SPEC_HASH)
             if have == meta["annotations"][render.A_SPEC_HASH]:
                 # Our annotation says unchanged, but someone may have changed what we own:
@@ -373,9 +376,10 @@ class Controller:
                 # only churn resourceVersions).
                 paths = render.drift({k: v for k, v in obj.items() if k != "status"}, existing)
                 if not paths:
-                    return
+                    return True
                 self.drifted(obj, paths)
         kube.apply(obj)
+        return True
 
     def drifted(self, obj: dict[str, Any], paths: list[str]) -> None:
         meta = obj["metadata"]

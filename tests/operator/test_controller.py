@@ -521,3 +521,28 @@ def test_volcano_pod_groups_follow_the_groups(world):
     kube.objects[("InferenceDeployment", "default", "demo")]["spec"]["replicas"] = 1
     c.trigger("default", "demo")
     assert sorted(kube.of_kind("PodGroup")) == sorted(kube.of_kind("StatefulSet")) and len(kube.of_kind("PodGroup")) == 1
+
+
+def test_a_name_still_draining_is_not_counted_as_created(world):
+    """Issue 36: a resource deleted and made again at once finds its old groups still draining
+    (foreground deletion; another owner's, so not its groups): the apply waits for the name, and
+    no event or status counts a group that does not exist."""
+    kube, c, clock, events, _ = world
+    idf(kube, replicas=1)
+    c.trigger("default", "demo")
+    (gname,) = kube.of_kind("StatefulSet")
+    old = kube.objects[("StatefulSet", "default", gname)]
+    old["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"    # the old resource's, draining
+    kube.objects[("InferenceDeployment", "default", "demo")] = idf(kube, replicas=1)   # made again
+    kube.objects[("InferenceDeployment", "default", "demo")]["metadata"]["uid"] = "uid-2"
+    events.clear()
+    for _ in range(3):
+        c.trigger("default", "demo")
+    assert [r for _, r, _ in events].count("GroupCreated") == 0
+    st = status(kube)
+    assert st["replicas"] == 0 and st["groups"] == []
+    assert kube.objects[("StatefulSet", "default", gname)]["metadata"]["deletionTimestamp"]   # untouched
+    del kube.objects[("StatefulSet", "default", gname)]              # drained: the name is free
+    c.trigger("default", "demo")
+    assert [r for _, r, _ in events].count("GroupCreated") == 1
+    assert status(kube)["replicas"] == 1 and [g["name"] for g in status(kube)["groups"]] == [gname]
