@@ -358,3 +358,23 @@ def test_volcano_gang_scheduling(defaulted):
     assert tpl["metadata"]["annotations"][render.A_VOLCANO_GROUP] == group
     assert tpl["spec"]["schedulerName"] == "volcano"
     assert objs.index(pg) < objs.index(sts) and rev in group
+
+
+@pytest.mark.parametrize("routing", [{}, {"mode": "service"},
+                                     {"mode": "inferencePool", "inferencePool": {"endpointPicker": {"name": "e"}}}])
+@pytest.mark.parametrize("monitor", [False, True])
+def test_desired_is_what_the_controller_writes_and_removes(defaulted, routing, monitor):
+    """Every routing and monitor object is either rendered or listed absent, never both; a
+    group's objects end with its StatefulSet, named as status and the rollout expect."""
+    body = defaulted(routing=routing, monitoring={"serviceMonitor": monitor})
+    d = render.desired(body)
+    rendered = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in d.shared}
+    optional = {(api, kind, "demo" + suffix) for api, kind, suffix in render.ROUTING_KINDS} | {
+        ("monitoring.coreos.com/v1", "ServiceMonitor", "demo"), ("monitoring.coreos.com/v1", "PodMonitor", "demo-pods")}
+    assert not rendered & set(d.absent) and optional <= rendered | set(d.absent)
+    assert render.render_all(body) == d.shared + d.group(0)
+    *companions, sts = d.group(2)
+    assert sts["kind"] == "StatefulSet" and sts["metadata"]["name"] == f"demo-{d.revision}-2"
+    assert {c["metadata"]["name"] for c in companions} == {sts["metadata"]["name"]}
+    assert (d.url is None) == (routing.get("mode") == "inferencePool")
+    assert (d.router is not None) == (routing.get("mode") is None)
