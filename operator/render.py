@@ -166,7 +166,8 @@ def uses_model_cache(spec: dict[str, Any]) -> bool:
 
 
 def _fetch_env(model: dict[str, Any], repo: str, target: str) -> list[dict[str, Any]]:
-    env = [{"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")}, {"name": "SHOAL_MODEL_REPO", "value": repo},
+    env = [{"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
+           {"name": "SHOAL_MODEL_REPO", "value": repo},
            {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
            {"name": "SHOAL_MODEL_DIR", "value": target}]
     secret = model.get("tokenSecret")
@@ -249,16 +250,27 @@ def serve_args(body: dict[str, Any], model_arg: str) -> list[str]:
 def container_resources(spec: dict[str, Any]) -> dict[str, Any]:
     res = spec.get("resources") or {}
     tensor = spec["parallelism"]["tensor"]
-    out: dict[str, Any] = {}
-    for part in ("requests", "limits"):
-        if res.get(part):
-            out[part] = dict(res[part])
-    for key in defaults.accelerator_keys(spec):
+    out: dict[str, Any] = {part: dict(res[part]) for part in ("requests", "limits") if res.get(part)}
+    accelerators = defaults.accelerator_keys(spec)
+    for key in accelerators:
         # Accelerators are per pod = tensor ranks; extended resources need limits (requests follow).
         out.setdefault("limits", {})[key] = tensor
         if key in out.get("requests", {}):
             out["requests"][key] = tensor
+    # A CPU pod: a cpu or memory request without a limit gets one equal to it, so both given make a
+    # Guaranteed pod (whole CPUs: exclusive cores under the kubelet's static CPU manager policy).
+    for key in () if accelerators else ("cpu", "memory"):
+        if key in out.get("requests", {}):
+            out.setdefault("limits", {}).setdefault(key, out["requests"][key])
     return out
+
+
+def init_resources(main: dict[str, Any]) -> dict[str, Any]:
+    """The main container's cpu and memory where it limits both (a pod's QoS class counts its init
+    containers; it reserves the larger of theirs and the main one's, so no more), else none."""
+    if not {"cpu", "memory"} <= set(main.get("limits") or {}):
+        return {}
+    return {part: {k: v for k, v in main[part].items() if k in ("cpu", "memory")} for part in main}
 
 
 def scrape_annotations(spec: dict[str, Any]) -> dict[str, str]:
@@ -343,7 +355,8 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     for ic in model["init"]:
         mounts = list(ic.get("volumeMounts") or []) + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS]
         init.append({**ic, "volumeMounts": mounts, "image": container["image"],
-                     "securityContext": container["securityContext"], "resources": {}})
+                     "securityContext": container["securityContext"],
+                     "resources": init_resources(container["resources"])})
     if par["pipeline"] > 1:
         # Workers join the leader: wait until the leader's rendezvous port answers (rank 0 skips).
         wait = (
@@ -362,7 +375,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
             "command": ["python3", "-c", wait],
             "env": [e for e in env if e["name"] in ("SHOAL_PIPELINE_RANK", "SHOAL_LEADER_ADDR", "SHOAL_DIST_PORT")],
             "securityContext": container["securityContext"],
-            "resources": {},
+            "resources": init_resources(container["resources"]),
         })
 
     shm_limit = f"{max(1, par['tensor']) * SHM_GI_PER_TENSOR_RANK}Gi"
@@ -447,8 +460,7 @@ def group_statefulset(body: dict[str, Any], revision: str, index: int,
     template = pod_template(body, group, cluster_domain)
     template["metadata"]["labels"].update(group_labels)
     return _stamp({
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(body, group, group_labels),
         "spec": {
             "replicas": body["spec"]["parallelism"]["pipeline"],
@@ -469,8 +481,7 @@ def group_network_policy(body: dict[str, Any], revision: str, index: int) -> dic
     group, group_labels = _group_labels(name, revision, index)
     mine = {"matchLabels": {L_DEPLOYMENT: name, L_GROUP: group}}
     return _stamp({
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _meta(body, group, group_labels),
         "spec": {
             "podSelector": mine,
@@ -492,8 +503,7 @@ def model_cache_pvc(body: dict[str, Any]) -> dict[str, Any]:
     if cache.get("storageClassName"):
         spec["storageClassName"] = cache["storageClassName"]
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
         "metadata": _meta(body, model_cache_name(name), {"shoal.dev/model-cache": "true"}),
         "spec": spec,
     })
@@ -529,8 +539,7 @@ def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
             pod[key_] = copy.deepcopy(user[key_])
     labels = {"shoal.dev/model-cache": "true", "shoal.dev/model-key": key}
     return _stamp({
-        "apiVersion": "batch/v1",
-        "kind": "Job",
+        "apiVersion": "batch/v1", "kind": "Job",
         "metadata": _meta(body, f"{name}-fetch-{key}", labels),
         "spec": {
             "backoffLimit": 4,
@@ -546,8 +555,7 @@ def volcano_pod_group(body: dict[str, Any], revision: str, index: int) -> dict[s
     """placement.gangScheduling Volcano: the group's PodGroup (all `pipeline` pods or none)."""
     group, group_labels = _group_labels(body["metadata"]["name"], revision, index)
     return _stamp({
-        "apiVersion": "scheduling.volcano.sh/v1beta1",
-        "kind": "PodGroup",
+        "apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup",
         "metadata": _meta(body, group, group_labels),
         "spec": {"minMember": body["spec"]["parallelism"]["pipeline"]},
     })
@@ -568,8 +576,7 @@ def group_companions(body: dict[str, Any], revision: str, index: int) -> list[di
 def headless_service(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
+        "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(body, headless_name(name), {L_SERVICE: "headless"}),
         "spec": {
             "clusterIP": "None",
@@ -588,8 +595,7 @@ def traffic_service(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     shoal = routing_mode(body["spec"]) == "shoal"
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
+        "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(body, name, {L_SERVICE: "traffic"}),
         "spec": {
             "type": "ClusterIP",
@@ -602,8 +608,7 @@ def traffic_service(body: dict[str, Any]) -> dict[str, Any]:
 def _disruption_budget(body: dict[str, Any], metadata: dict[str, Any], selector: dict[str, str]) -> dict[str, Any]:
     """At most one of the selected pods voluntarily evicted at a time."""
     return _stamp({
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": metadata,
         "spec": {
             "maxUnavailable": 1,
@@ -631,8 +636,7 @@ def service_monitor(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     mon = body["spec"]["monitoring"]
     return _stamp({
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
         "metadata": _meta(body, name, dict(mon.get("labels") or {})),
         "spec": {
             # the Service over the leaders: `NAME` itself only where it selects them (mode service)
@@ -648,8 +652,7 @@ def pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     mon = body["spec"]["monitoring"]
     return _stamp({
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
         "metadata": _meta(body, f"{name}-pods", dict(mon.get("labels") or {})),
         "spec": {
             # workers only: leaders are scraped once, by the ServiceMonitor over the traffic Service
@@ -800,8 +803,7 @@ def router_deployment(body: dict[str, Any], cluster_domain: str = "cluster.local
     if not template["metadata"]["annotations"]:
         del template["metadata"]["annotations"]
     return _stamp({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(body, router_name(name), {"app.kubernetes.io/component": "router"}),
         "spec": {
             "replicas": router["replicas"],
@@ -817,8 +819,7 @@ def leaders_service(body: dict[str, Any]) -> dict[str, Any]:
     resolves its A records to find the groups; the ServiceMonitor scrapes through it."""
     name = body["metadata"]["name"]
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
+        "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(body, leaders_name(name), {L_SERVICE: "leaders"}),
         "spec": {
             "clusterIP": "None",
@@ -838,8 +839,7 @@ def router_pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     mon = body["spec"]["monitoring"]
     return _stamp({
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
         "metadata": _meta(body, router_name(name), dict(mon.get("labels") or {})),
         "spec": {
             "selector": {"matchLabels": router_selector_labels(name)},
@@ -857,8 +857,7 @@ def inference_pool(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     picker = body["spec"]["routing"]["inferencePool"]["endpointPicker"]
     return _stamp({
-        "apiVersion": INFERENCE_POOL_API,
-        "kind": "InferencePool",
+        "apiVersion": INFERENCE_POOL_API, "kind": "InferencePool",
         "metadata": _meta(body, name),
         "spec": {
             "selector": {"matchLabels": leader_selector_labels(name)},
@@ -934,7 +933,8 @@ def desired(body: dict[str, Any], cluster_domain: str = "cluster.local") -> Desi
         body=body, cluster_domain=cluster_domain, revision=revision_hash(body),
         shared=shared_objects(body, cluster_domain),
         absent=routing_objects_absent(body) + ([] if spec["monitoring"]["serviceMonitor"] else [  # monitoring off
-            ("monitoring.coreos.com/v1", "ServiceMonitor", name), ("monitoring.coreos.com/v1", "PodMonitor", f"{name}-pods")]),
+            ("monitoring.coreos.com/v1", "ServiceMonitor", name),
+            ("monitoring.coreos.com/v1", "PodMonitor", f"{name}-pods")]),
         labels=selector_labels(name), selector=selector(name),
         url=None if mode == "inferencePool" else
         serving_url(name, body["metadata"].get("namespace") or "default", cluster_domain),
