@@ -69,7 +69,7 @@ class LLM:
         """One conversation (a list of {"role", "content"}) or a list of them. `tools` (OpenAI's
         function tools) go to the chat template; a model whose template ignores tools gets the
         shipped Hermes template, as the server does (docs/tools.md). The calls are not parsed."""
-        from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, template_messages, tool_template
+        from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, named_template, template_messages, tool_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
@@ -77,7 +77,7 @@ class LLM:
             kw = dict(template_kwargs)
             if tools or has_tool_turns(c):
                 c = template_messages(c)
-                kw.update(tools=tools or None, chat_template=kw.get("chat_template") or tool_template(self.tokenizer, self.tokenizer.chat_template))
+                kw.update(tools=tools or None, chat_template=kw.get("chat_template") or tool_template(self.tokenizer, named_template(self.tokenizer.chat_template, True)))
             # the template already holds the special tokens: tokenize without adding them again
             text = self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **kw)
             prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)

@@ -21,7 +21,7 @@ import copy
 import os
 import threading
 
-from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, tool_template
+from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, named_template, tool_template
 
 
 class PromptTooLong(ValueError):
@@ -32,7 +32,7 @@ class PromptTooLong(ValueError):
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
+    "tokenizer_kwargs", "sanitize_control_tokens", "self",
 })
 
 
@@ -114,7 +114,7 @@ class PromptTokenizer:
             raise ValueError("this model has no chat template; use /v1/completions")
         kw = dict(template_kwargs or {})  # a request's chat_template_kwargs, checked: no reserved names
         if tools or has_tool_turns(messages):  # a template that renders tools (docs/tools.md)
-            kw.update(tools=tools or None, chat_template=tool_template(tok, self.chat_template))
+            kw.update(tools=tools or None, chat_template=tool_template(tok, named_template(self.chat_template, True)))
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         self._check_size(text, "the conversation")
         return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
