@@ -65,16 +65,18 @@ class LLM:
         return [done[i] for i in ids]
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool | None = None, tools: list[dict] | None = None,
-             **template_kwargs):
+             chat_template_kwargs: dict | None = None, **template_kwargs):
         """One conversation (a list of {"role", "content"}) or a list of them. `tools` (OpenAI's
         function tools) go to the chat template; a model whose template ignores tools gets the
-        shipped Hermes template, as the server does (docs/tools.md). The calls are not parsed."""
+        shipped Hermes template, as the server does (docs/tools.md). The calls are not parsed.
+        Template variables come as keyword arguments or, vLLM's way, as `chat_template_kwargs`
+        (`{"enable_thinking": False}`, docs/reasoning.md)."""
         from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, named_template, template_messages, tool_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in conversations:
-            kw = dict(template_kwargs)
+            kw = dict(chat_template_kwargs or {}, **template_kwargs)
             if tools or has_tool_turns(c):
                 c = template_messages(c)
                 kw.update(tools=tools or None, chat_template=kw.get("chat_template") or tool_template(self.tokenizer, named_template(self.tokenizer.chat_template, True)))

@@ -73,3 +73,14 @@ def test_reserved_names_cover_apply_chat_templates_arguments(named_tokenizer):
         with pytest.raises(ValueError, match=name):
             check_template_kwargs({name: 1})
     assert check_template_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
+
+
+def test_llm_chat_takes_chat_template_kwargs(named_tokenizer):
+    from shoal.runtime.entrypoints.llm import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine = types.SimpleNamespace(tokenizer=named_tokenizer)
+    llm.generate = lambda prompts, params, use_tqdm: prompts
+    (vllm_way,) = llm.chat(ASK, chat_template_kwargs={"greeting": "hello!"})
+    (keyword,) = llm.chat(ASK, greeting="hello!")
+    assert vllm_way == keyword and named_tokenizer.decode(vllm_way).endswith("hello!")
