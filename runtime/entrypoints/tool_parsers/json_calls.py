@@ -69,6 +69,7 @@ class JsonCallParser(ToolParser):
         self.calls = 0  # calls recognised (muted ones included)
         self.scanner = JsonScanner()
         self.in_object = True  # the arguments sit inside a call object (a tail follows them)
+        self.pos = 0  # whole: how far the object has been scanned
 
     def feed(self, text: str) -> list[dict]:
         self.pending += text
@@ -107,7 +108,7 @@ class JsonCallParser(ToolParser):
         name = json.loads(m.group(1)) if m is not None else ""
         self.scanner = JsonScanner()
         if not name:
-            self.state = "whole"
+            self.pos, self.state = 0, "whole"
             return True
         self.start_call(name, out)
         self.in_object = True
@@ -138,8 +139,9 @@ class JsonCallParser(ToolParser):
         return True
 
     def _whole(self, out) -> bool:
-        end = JsonScanner().scan(self.pending, 0)
+        end = self.scanner.scan(self.pending, self.pos)
         if end < 0:
+            self.pos = len(self.pending)  # scanned: the next chunk goes on from here
             return False
         try:
             call = call_of(json.loads(self.pending[:end]))
