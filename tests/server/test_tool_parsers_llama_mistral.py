@@ -174,3 +174,32 @@ def test_any_text_streams_as_it_parses_whole(cls):
         whole = raw(cls().extract(text))
         for sizes in ([1] * len(text), [rng.randint(1, 6) for _ in text]):
             assert raw(streamed(cls, text, sizes)[1]) == whole, (text, sizes)
+
+
+@pytest.mark.parametrize("name,text", [
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'),
+    ("mistral", 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time{}'),
+])
+async def test_the_renderer_streams_them_as_openai_reads_them(name, text):
+    """The real Renderer on a fake engine's output: the `openai` client's own stream accumulator
+    adds the chunks up to the calls, finish_reason "tool_calls"."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+    from test_tool_render import make_job
+
+    from shoal.runtime.entrypoints.render import Renderer
+    from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("get_weather", "get_time")]
+    for seed in range(3):
+        job = make_job({0: text}, seed)
+        response = Renderer(job.state, job, 0, chat=True, logprobs=None, tools=ToolOutput(ToolChoice("auto", tools, parser=get_tool_parser(name)))).stream([])
+        events = [e[len("data: "):] for e in "".join([p async for p in response.body_iterator]).split("\n\n") if e]
+        acc = ChatCompletionStreamState()
+        for e in events[:-1]:
+            acc.handle_chunk(ChatCompletionChunk.model_validate(json.loads(e)))
+        choice = acc.current_completion_snapshot.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+        assert (choice.message.content or None) == ("Checking." if name == "mistral" else None)  # the role chunk carries ""
+        assert all(MISTRAL_ID.match(c.id) for c in choice.message.tool_calls) == (name == "mistral")
