@@ -60,6 +60,9 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the usage; continuous_usage_stats (vLLM's, with
+    include_usage): every chunk also carries its choice's usage so far."""
+
     model_config = _STRICT
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -153,12 +156,17 @@ class _SamplingRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(message, field) for a field that is set but not supported, or None."""
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            return "stream_options.continuous_usage_stats is not supported", "stream_options"
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED_FIELDS and value != UNSUPPORTED_FIELDS[name]:
                 return f"{name} is not supported by this server", name
         return None
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a last chunk with the usage, a running usage on every chunk): vLLM reads
+        continuous_usage_stats only with include_usage."""
+        o = self.stream_options
+        include = bool(o is not None and o.include_usage)
+        return include, include and bool(o.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None) -> SamplingParams:
         """Raises ValueError with SamplingParams' message on a bad value."""

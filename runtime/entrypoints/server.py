@@ -6,6 +6,7 @@
     /ready                                  loaded + KV cache + warm-up done, group joined, not draining
     /metrics                                Prometheus text (shoal_*, and the same series as vllm:*)
     /tokenize, /detokenize, /version, /load vLLM's utility endpoints, in vLLM's shapes
+    /tokenizer_info                         vLLM's: the tokenizer's config and chat template
     /kv/blocks?since=SEQ&epoch=E            prefix-cache block hashes stored/removed since SEQ (docs/router.md)
 
 Life of a server: uvicorn binds at once (so probes answer while the model loads), the engine
@@ -146,6 +147,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(req: DetokenizeRequest):
         return json_response(await serving.detokenize(req))
 
+    @app.get("/tokenizer_info", responses=errors)
+    async def tokenizer_info():
+        return json_response(serving.tokenizer_info())
+
     @app.get("/version")
     async def version():
         return json_response({"version": shoal_version()})
@@ -230,6 +235,8 @@ def serve(args) -> int:
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         freeze_gc=True,
+        stream_interval=getattr(args, "stream_interval", 1),
+        tokenizer_info=getattr(args, "enable_tokenizer_info_endpoint", True),
     )
     _, asgi = build_asgi(state, getattr(args, "allowed_origins", None))
     logger.info("serving %s as %r on http://%s:%d (API key %s)", config.model, state.model_name, args.host, args.port, "required" if state.api_key else "off")

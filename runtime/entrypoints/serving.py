@@ -7,13 +7,14 @@
     prompt -> token ids on the tokenizer pool                  -> 400 too long, bad template
     fits the context (prompt + max_tokens), ids in the vocab  -> 400
     admit again (no await from here to submit), submit
-    stream: wait until accepted, then SSE; else collect, then the body
+    stream: wait until accepted, then SSE (each choice's first chunk with its first token); else collect, then the body
 
-and vLLM's /tokenize and /detokenize (on the same tokenizer pool).
+and vLLM's /tokenize, /detokenize (on the same tokenizer pool) and /tokenizer_info.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -155,9 +156,9 @@ class Serving:
             for p, prompt in enumerate(prompts):
                 echo_text[p] = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
         job.submit(ids, params)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = req.stream_usage()
         renderer = Renderer(state, job, created, chat=False, logprobs=req.logprobs, echo_text=echo_text, include_usage=include_usage,
-                            extras=extras)
+                            continuous_usage=continuous_usage, extras=extras, stream_interval=state.stream_interval)
         return await self._respond(request, req, job, renderer)
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
@@ -178,9 +179,10 @@ class Serving:
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         job.submit([ids], params)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = req.stream_usage()
         tool_output = ToolOutput(tools, state.engine.tokenizer) if tools is not None and tools.mode != "none" else None
-        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras, tools=tool_output)
+        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, continuous_usage=continuous_usage,
+                            extras=extras, tools=tool_output, stream_interval=state.stream_interval)
         return await self._respond(request, req, job, renderer)
 
     # -- vLLM's utility endpoints -----------------------------------------------------------
@@ -213,3 +215,34 @@ class Serving:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": await state.prompts.run(state.prompts.decode, req.tokens)}
 
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's init kwargs (tokenizer_config.json) without
+        file paths, special tokens as their text, its class, and the chat template this server
+        renders with (what lm-evaluation-harness's remote tokenizer reads)."""
+        state = self.state
+        if not state.tokenizer_info:
+            raise APIError(404, "/tokenizer_info is off (--no-enable-tokenizer-info-endpoint)", code="not_found")
+        state.check_accepting()
+        tok = state.engine.tokenizer
+        config = {k: _plain(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if not k.endswith("_file")}
+        config["tokenizer_class"] = type(tok).__name__
+        template = state.prompts.chat_template if state.prompts is not None else None
+        if template:
+            config["chat_template"] = template
+        return config
+
+
+def _plain(value):
+    """JSON's types: an AddedToken is its text (as vLLM writes it), anything else unknown its str()."""
+    if hasattr(value, "content") and not isinstance(value, (str, dict)):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

@@ -250,7 +250,7 @@ def _json(body: bytes):
 
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack: the server will say
         return None
 
 
@@ -295,13 +295,13 @@ def build_app(router: Router) -> FastAPI:
 
     for path, methods in (("/v1/completions", ["POST"]), ("/v1/chat/completions", ["POST"]), ("/v1/models", ["GET"]),
                           ("/v1/models/{model_id:path}", ["GET"]), ("/tokenize", ["POST"]), ("/detokenize", ["POST"]),
-                          ("/version", ["GET"]), ("/load", ["GET"])):
+                          ("/tokenizer_info", ["GET"]), ("/version", ["GET"]), ("/load", ["GET"])):
         app.add_api_route(path, forward, methods=methods, include_in_schema=False)
     return app
 
 
 FORWARDED = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/tokenize"),
-             ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/load")}
+             ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("GET", "/version"), ("GET", "/load")}
 
 
 class HotPath:

@@ -5,7 +5,8 @@ rendered with the chat template, then tokenized without special tokens; a comple
 prompt with them), on the same kind of tokenizer pool (entrypoints/prompts.py), and hashed
 with the engine's own function (cache/block_pool.py). Only the blocks the engine can reuse
 count: all full blocks but the one holding the last token. A body the router cannot read
-gets no hashes (it is routed by load, and the server answers its 400).
+gets no hashes (it is routed by load, and the server answers its 400): token ids that are
+not integers in the server's range [0, 2^31) are not hashed at all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from shoal.runtime.entrypoints.prompts import PromptTokenizer
 
 logger = logging.getLogger("shoal.router")
 
+MAX_TOKEN_ID = 2**31 - 1  # protocol.TokenId's bound: the server refuses anything past it with a 400
 NO_LIMIT = 1 << 40  # the servers enforce the context length; the router only reads
 # A prompt this short tokenizes on the event loop: ~30 us, against ~180 us for the hop to a
 # pool thread and back (measured; it is most of a short request's time in the router).
@@ -59,8 +61,8 @@ class PromptHasher:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: the first prompt decides
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
+        if isinstance(prompt, list):
+            return prompt if all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt) else []
         if isinstance(prompt, str) and self.prompts is not None:
             if len(prompt) <= INLINE_CHARS:
                 return self.prompts.text_ids(prompt, True)
@@ -70,10 +72,10 @@ class PromptHasher:
     async def hashes(self, path: str, body, block_size: int) -> list[int]:
         try:
             ids = await self.token_ids(path, body)
+            usable = max(0, (len(ids) - 1) // block_size)
+            if usable > 32 and self.prompts is not None:  # ~2 us a block: a long prompt's hashes off the event loop
+                return await self.prompts.run(block_hashes, ids[: usable * block_size], block_size)
+            return block_hashes(ids[: usable * block_size], block_size)
         except Exception as e:  # noqa: BLE001 - bad messages, a template error: the server will say
             logger.debug("no prefix for this request: %s: %s", type(e).__name__, e)
             return []
-        usable = max(0, (len(ids) - 1) // block_size)
-        if usable > 32 and self.prompts is not None:  # ~2 us a block: a long prompt's hashes off the event loop
-            return await self.prompts.run(block_hashes, ids[: usable * block_size], block_size)
-        return block_hashes(ids[: usable * block_size], block_size)
