@@ -173,6 +173,7 @@ def build_app(state: ServerState) -> FastAPI:
         load = {"running": stats.num_running if stats else 0, "waiting": state.engine.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage if stats else 0.0}
         return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
+                              "max_model_len": state.engine.max_model_len,
                               "prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch)})
 
     return app
