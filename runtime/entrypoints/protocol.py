@@ -15,7 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shoal.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, SamplingParams
+from shoal.runtime.entrypoints import structured_request
+from shoal.runtime.entrypoints.errors import APIError
+from shoal.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, SamplingParams, StructuredOutputsParams
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -168,8 +170,12 @@ class _SamplingRequest(BaseModel):
         include = bool(o is not None and o.include_usage)
         return include, include and bool(o.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None) -> SamplingParams:
-        """Raises ValueError with SamplingParams' message on a bad value."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None, *,
+                        prompt_logprobs: int | None = None, forced: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The request's SamplingParams, built once and validated once: the sampling fields, the
+        grammar and logit fields (structured_request.py), the prompt scores asked for
+        (scoring.py) and a forced tool choice's grammar (tool_parsers/choice.py). Every error is
+        a 400 (APIError) naming its field where it can."""
         kw: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens,
@@ -182,6 +188,7 @@ class _SamplingRequest(BaseModel):
             seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
         )
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -189,9 +196,18 @@ class _SamplingRequest(BaseModel):
                 kw[name] = value
         if vocab_size and kw.get("top_k", 0) >= vocab_size:
             kw["top_k"] = 0  # keeping the whole vocabulary is no top-k at all (and no huge tensor value)
-        if isinstance(kw["stop"], str):
-            kw["stop"] = [kw["stop"]]
-        return SamplingParams(**kw)
+        kw.update(structured_request.fields(self))
+        if forced is not None:
+            if kw["structured_outputs"] is not None:
+                raise APIError(400, "tool_choice 'required' or a named function cannot be combined with other structured outputs", param="tool_choice")
+            kw["structured_outputs"] = forced
+        try:
+            params = SamplingParams(**kw)
+            if vocab_size:
+                params.check_vocab(vocab_size)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=structured_request.param_of(e)) from None
+        return params
 
 
 class CompletionRequest(_SamplingRequest):

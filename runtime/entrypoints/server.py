@@ -166,15 +166,14 @@ def build_app(state: ServerState) -> FastAPI:
         """Block hashes that became findable / were evicted since event `since` of `epoch`
         (reset: true and the whole set when the log no longer reaches back, or the epoch differs),
         with /ready's answer and the load, so one poll tells a router all it weighs."""
-        pool = getattr(state.engine.engine, "pool", None) if state.engine.ready else None
-        if pool is None:
+        changes = state.engine.kv_block_changes(since, epoch)
+        if changes is None:
             raise unavailable("the model is still loading", "model_loading")
         stats = state.engine.stats
         load = {"running": stats.num_running if stats else 0, "waiting": state.engine.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage if stats else 0.0}
         return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
-                              "max_model_len": state.engine.max_model_len,
-                              "prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch)})
+                              "max_model_len": state.engine.max_model_len, **changes})
 
     return app
 

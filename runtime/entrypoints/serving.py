@@ -2,7 +2,7 @@
 
     check accepting, model, unsupported fields, priority     -> 400 / 404 / 503
     chat: tools, tool_choice, tool turns (tool_parsers/)     -> 400; a forced choice sets structured outputs
-    sampling params (bounded; top_k >= vocab is off)          -> 400
+    sampling params, built and validated once (protocol.py)   -> 400
     admit (queue bound, before any work)                      -> 503 / 400 never fits
     prompt -> token ids on the tokenizer pool                  -> 400 too long, bad template
     fits the context (prompt + max_tokens), ids in the vocab  -> 400
@@ -53,17 +53,13 @@ class Serving:
         extras.check_logprobs_limit(state.max_logprobs)
         return extras
 
-    def _params(self, req, max_tokens, logprobs, extras: Extras):
+    def _params(self, req, max_tokens, logprobs, extras: Extras, tools=None):
         state = self.state
         if logprobs is not None and logprobs > state.max_logprobs:
             raise APIError(400, f"at most {state.max_logprobs} logprobs per token (--max-logprobs), got {logprobs}",
                            param="top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
-        try:
-            params = extras.params(req.sampling_params(max_tokens, logprobs, state.engine.vocab_size))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
-        structured_request.apply(req, params, state.engine.vocab_size)
-        return params
+        return req.sampling_params(max_tokens, logprobs, state.engine.vocab_size, prompt_logprobs=extras.k_engine,
+                                   forced=tools.forced() if tools is not None else None)
 
     async def _compile(self, req, params) -> None:
         """Compile the request's grammar on the tokenizer pool (the engine finds it cached): a
@@ -72,11 +68,10 @@ class Serving:
         if spec is None:
             return
         field = structured_request.grammar_field(req)
-        structured = getattr(self.state.engine.engine, "structured", None)
-        if structured is None:
-            raise APIError(400, "structured outputs are not supported by this engine", param=field)
         try:
-            await self.state.prompts.run(structured.compile, spec)
+            await self.state.prompts.run(self.state.engine.compile_grammar, spec)
+        except NotImplementedError as e:
+            raise APIError(400, str(e), param=field) from None
         except ValueError as e:
             raise APIError(400, str(e), param=field or "structured_outputs") from None
 
@@ -167,9 +162,7 @@ class Serving:
         tools = tool_choice_of(req, state.tool_call_parser, state.enable_auto_tool_choice)  # 400s; docs/tools.md
         k = req.num_logprobs()
         max_tokens = req.completion_tokens_limit()
-        params = self._params(req, max_tokens, k, extras)
-        if tools is not None:
-            tools.force(params)  # required / a named function: structured outputs
+        params = self._params(req, max_tokens, k, extras, tools)  # a forced tool choice: its grammar
         self._admit(1)
         await self._compile(req, params)
         ids = extras.truncated(await self._tokenize(state.prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt,
