@@ -211,6 +211,26 @@ class AsyncEngine:
     def max_num_seqs(self) -> int:
         return int(getattr(self.config, "max_num_seqs", 0) or 0)
 
+    # ---------------------------------------------------------------- what the HTTP layer asks of the engine
+    def compile_grammar(self, spec) -> None:
+        """Compile a structured-outputs spec into the engine's grammar cache, so the engine
+        finds it compiled. Called on the tokenizer pool (the cache is thread-safe): raises
+        ValueError for a spec that cannot be compiled, NotImplementedError when this engine
+        has no structured outputs."""
+        structured = getattr(self.engine, "structured", None)
+        if structured is None:
+            raise NotImplementedError("structured outputs are not supported by this engine")
+        structured.compile(spec)
+
+    def kv_block_changes(self, since: int, epoch: str | None) -> dict | None:
+        """The prefix cache's findable block hashes stored/removed since event `since` of
+        `epoch` (cache/block_events.py; safe from the event loop: the log has its lock), and
+        whether prefix caching is on; None while the model loads."""
+        pool = getattr(self.engine, "pool", None) if self.ready else None
+        if pool is None:
+            return None
+        return {"prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch)}
+
     def admit(self, count: int = 1) -> None:
         """Raise QueueFull / NeverFits / EngineNotReady / EngineDead if `count` more requests
         cannot be taken now: they may wait up to max_waiting, plus whatever slots the running

@@ -5,13 +5,14 @@ handler does on them (all accepted, all finished, the next deltas of a stream)."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from shoal.runtime.engine.async_engine import Accepted, Failed, Output, Rejected
+from shoal.runtime.engine.async_engine import Accepted, Delta, Failed, Output, Rejected
 from shoal.runtime.entrypoints.errors import APIError, unavailable
 
 if TYPE_CHECKING:
@@ -163,18 +164,39 @@ async def await_accepted(job: Job) -> list:
     return early
 
 
-async def stream_items(job: Job, early: list):
-    """Yield lists of (choice index, delta), draining whatever is queued at each wake-up
-    (a slow client gets several steps' tokens in one write)."""
-    added = []
+async def stream_items(job: Job, early: list, interval: int = 1):
+    """Yield, per engine output, its [(choice index, delta)]: one token a choice, as the engine
+    made it (a slow client finds them queued, each still its own event). With interval > 1
+    (--stream-interval, vLLM's) a choice's deltas are held until `interval` tokens have
+    gathered, except its first token and its last delta, which go at once."""
+    held: dict[int, Delta] = {}
+    started: set[int] = set()
+
+    def gather(added):
+        if interval <= 1:
+            return added
+        out = []
+        for index, d in added:
+            if index in held:
+                d = _merge(held.pop(index), d)
+            if index not in started or d.finish_reason is not None or len(d.token_ids) >= interval:
+                started.add(index)
+                out.append((index, d))
+            else:
+                held[index] = d
+        return out
+
     for item in early:
-        added.extend(job.apply(item))
-    if added:
-        yield added
-    while job.unfinished:
-        item = await job.queue.get()
-        added = job.apply(item)
-        while not job.queue.empty() and job.unfinished:
-            added.extend(job.apply(job.queue.get_nowait()))
-        if added:
+        if added := gather(job.apply(item)):
             yield added
+    while job.unfinished:
+        if added := gather(job.apply(await job.queue.get())):
+            yield added
+    if held:
+        yield list(held.items())
+
+
+def _merge(a: Delta, b: Delta) -> Delta:
+    """Two deltas of one choice as one (b the later)."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=logprobs)

@@ -15,8 +15,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shoal.runtime.entrypoints import structured_request
+from shoal.runtime.entrypoints.errors import APIError
 from shoal.runtime.entrypoints.prompts import check_template_kwargs
-from shoal.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, SamplingParams
+from shoal.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, SamplingParams, StructuredOutputsParams
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -61,6 +63,9 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the usage; continuous_usage_stats (vLLM's, with
+    include_usage): every chunk also carries its choice's usage so far."""
+
     model_config = _STRICT
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -154,15 +159,24 @@ class _SamplingRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(message, field) for a field that is set but not supported, or None."""
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            return "stream_options.continuous_usage_stats is not supported", "stream_options"
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED_FIELDS and value != UNSUPPORTED_FIELDS[name]:
                 return f"{name} is not supported by this server", name
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None) -> SamplingParams:
-        """Raises ValueError with SamplingParams' message on a bad value."""
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a last chunk with the usage, a running usage on every chunk): vLLM reads
+        continuous_usage_stats only with include_usage."""
+        o = self.stream_options
+        include = bool(o is not None and o.include_usage)
+        return include, include and bool(o.continuous_usage_stats)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None, *,
+                        prompt_logprobs: int | None = None, forced: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The request's SamplingParams, built once and validated once: the sampling fields, the
+        grammar and logit fields (structured_request.py), the prompt scores asked for
+        (scoring.py) and a forced tool choice's grammar (tool_parsers/choice.py). Every error is
+        a 400 (APIError) naming its field where it can."""
         kw: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens,
@@ -175,6 +189,7 @@ class _SamplingRequest(BaseModel):
             seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
         )
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -182,9 +197,18 @@ class _SamplingRequest(BaseModel):
                 kw[name] = value
         if vocab_size and kw.get("top_k", 0) >= vocab_size:
             kw["top_k"] = 0  # keeping the whole vocabulary is no top-k at all (and no huge tensor value)
-        if isinstance(kw["stop"], str):
-            kw["stop"] = [kw["stop"]]
-        return SamplingParams(**kw)
+        kw.update(structured_request.fields(self))
+        if forced is not None:
+            if kw["structured_outputs"] is not None:
+                raise APIError(400, "tool_choice 'required' or a named function cannot be combined with other structured outputs", param="tool_choice")
+            kw["structured_outputs"] = forced
+        try:
+            params = SamplingParams(**kw)
+            if vocab_size:
+                params.check_vocab(vocab_size)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=structured_request.param_of(e)) from None
+        return params
 
 
 class CompletionRequest(_SamplingRequest):

@@ -9,6 +9,12 @@ The two APIs differ in a few places only, and those are the renderer's branches:
 With tool calling (tool_parsers/output.py) a chat message also has "tool_calls", and its
 chunks "delta": {"tool_calls"}. Everything else (ids, usage, stop_reason, the SSE framing,
 usage chunk, errors mid-stream, [DONE]) is shared.
+
+A stream, as vLLM's: a choice's first chunk (chat's role, completions' echoed prompt) goes
+out with its first generated token, never before prefill, so a client that times the first
+chunk reads the real TTFT; then one event per token (every --stream-interval tokens),
+each written on its own, an empty text included; with stream_options.continuous_usage_stats
+every chunk carries its choice's usage so far.
 """
 
 from __future__ import annotations
@@ -66,8 +72,8 @@ class Renderer:
     """One job's response: `body()` when it has finished, or `stream(early)` as SSE."""
 
     def __init__(self, state: "ServerState", job: Job, created: int, *, chat: bool, logprobs: int | None,
-                 echo_text: dict[int, str] | None = None, include_usage: bool = False, extras: "Extras | None" = None,
-                 tools: ToolOutput | None = None):
+                 echo_text: dict[int, str] | None = None, include_usage: bool = False, continuous_usage: bool = False,
+                 extras: "Extras | None" = None, tools: ToolOutput | None = None, stream_interval: int = 1):
         self.state, self.job, self.created, self.chat = state, job, created, chat
         self.extras = extras  # scoring and token fields (scoring.py)
         self.tok = extras.tok(state) if extras is not None else state.tok_str
@@ -75,9 +81,12 @@ class Renderer:
         self.k = logprobs  # completions: top logprobs per token; chat: top_logprobs (None: none asked)
         self.echo_text = echo_text or {}
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # a running usage on every chunk (vLLM's continuous_usage_stats)
+        self.stream_interval = stream_interval
+        self.opened: set[int] = set()  # streamed choices whose first chunk (role, echo, prompt part) went out
+        self.tokens_sent: dict[int, int] = {}  # per streamed choice: completion tokens so far
         self.offsets: dict[int, int] = {}  # completions' text_offset, per streamed choice
         self.ids_sent: set[int] = set()  # streamed choices whose prompt_token_ids went out (return_token_ids)
-        self.prompt_sent: set[int] = set()  # streamed choices whose prompt part went out (Extras.prompt_part_waits)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict], offset: int) -> dict:
         if self.chat:
@@ -145,25 +154,36 @@ class Renderer:
                     obj["prompt_token_ids"] = ids
                 else:
                     choice["prompt_token_ids"] = ids
-        if self.include_usage:
+        if self.continuous_usage:
+            obj["usage"] = self._running_usage(index)
+        elif self.include_usage:
             obj["usage"] = None
         return sse(obj)
 
-    def _first(self) -> str:
-        """Chat: each choice's role; completions: the echoed prompt, if asked."""
-        n = self.job.n
-        if self.chat:
-            return "".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
-        first = []
-        if self.extras is not None and self.extras.prompt_part_waits:
-            return ""  # each choice's prompt part goes with its first output (_prompt_part)
-        for p, text in self.echo_text.items():
-            for i in range(n):
-                self.offsets[p * n + i] = len(text)
-                first.append(self._chunk(p * n + i, text))
-        return "".join(first)
+    def _running_usage(self, index: int) -> dict:
+        """One choice's usage so far: its prompt's tokens and the tokens it has streamed (vLLM's)."""
+        tag = index // self.job.n
+        prompt = self.job.prompt_tokens.get(tag) or len(self.job.prompt_ids[tag])
+        completion = self.tokens_sent.get(index, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _prompt_part(self, index: int, d) -> str:
+    def _opening(self, index: int) -> list[str]:
+        """A choice's first chunk, sent with its first output: chat's role; completions' echoed
+        prompt, or its prompt part when prompt scores were asked for (_prompt_part)."""
+        if index in self.opened:
+            return []
+        self.opened.add(index)
+        if self.chat:
+            return [self._chunk(index, {"role": "assistant", "content": ""})]
+        if self.extras is not None and self.extras.prompt_part_waits:
+            return [self._prompt_part(index)]
+        text = self.echo_text.get(index // self.job.n)
+        if text is None:
+            return []
+        self.offsets[index] = len(text)
+        return [self._chunk(index, text)]
+
+    def _prompt_part(self, index: int) -> str:
         """Completions, streamed: a choice's first chunk when its prompt's scores are asked
         for (they come with the request's first output): the echoed prompt with its
         logprobs, prompt_logprobs; with max_tokens 0 the whole answer."""
@@ -177,15 +197,16 @@ class Renderer:
         finish = "length" if x.echo_only else None
         return self._chunk(index, text, lp, finish, more=more)
 
-    def _deltas(self, added) -> str:
+    def _deltas(self, added) -> list[str]:
+        """The SSE events of these deltas: a choice's first chunk before its first delta, then
+        one event per delta (a token, or --stream-interval of them), an empty text included."""
         out = []
         x = self.extras
         for index, d in added:
-            if x is not None and x.prompt_part_waits and index not in self.prompt_sent:
-                self.prompt_sent.add(index)
-                out.append(self._prompt_part(index, d))
+            out.extend(self._opening(index))
             if x is not None and x.echo_only:
                 continue  # the generated token is not part of the answer
+            self.tokens_sent[index] = self.tokens_sent.get(index, 0) + len(d.token_ids)
             lp = None
             if self.k is not None and d.token_ids:
                 off = self.offsets.get(index, 0)
@@ -195,13 +216,13 @@ class Renderer:
             ids = self.extras is not None and self.extras.return_token_ids and d.token_ids
             if self.chat and self.tools is not None:
                 out.extend(self._tool_chunks(index, d, lp))
-            elif d.text or d.finish_reason is not None or lp is not None or ids:
+            elif d.text or d.token_ids or d.finish_reason is not None or lp is not None:
                 if self.chat:
-                    payload = {"content": d.text} if (d.text or lp is not None) else {}
+                    payload = {"content": d.text} if (d.text or d.token_ids or lp is not None) else {}
                 else:
                     payload = d.text
                 out.append(self._chunk(index, payload, lp, d.finish_reason, d.stop_reason if d.finish_reason else None, d.token_ids))
-        return "".join(out)
+        return out
 
     def _tool_chunks(self, index: int, d, lp) -> list[str]:
         """A chat delta through the tool-call parser: content and tool_calls deltas (held-back
@@ -221,14 +242,12 @@ class Renderer:
                 for i, delta in enumerate(deltas)]
 
     async def _events(self, early: list):
-        """`first`, the rendered deltas, usage if asked, [DONE]; an error mid-stream becomes
-        an error event; the request ends with the body."""
+        """The rendered deltas, one write per event, usage if asked, [DONE]; an error
+        mid-stream becomes an error event; the request ends with the body."""
         try:
-            first = self._first()
-            if first:
-                yield first
-            async for added in stream_items(self.job, early):
-                yield self._deltas(added)
+            async for added in stream_items(self.job, early, self.stream_interval):
+                for event in self._deltas(added):
+                    yield event
             if self.include_usage:
                 yield sse(dict(self._base, choices=[], usage=self._usage()))
             yield "data: [DONE]\n\n"

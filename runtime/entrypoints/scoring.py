@@ -19,7 +19,6 @@ output brought the scores; a streamed chat completion refuses prompt_logprobs (4
 
 from __future__ import annotations
 
-import dataclasses
 
 from shoal.runtime.entrypoints.errors import APIError, finite
 from shoal.runtime.entrypoints.protocol import ChatCompletionRequest
@@ -66,9 +65,6 @@ class Extras:
     # -- the request ------------------------------------------------------------------------
     def max_tokens(self, asked):
         return 1 if self.echo_only else asked  # echo alone: one token is generated, then dropped
-
-    def params(self, params):
-        return params if self.k_engine is None else dataclasses.replace(params, prompt_logprobs=self.k_engine)
 
     def truncated(self, ids: list[int]) -> list[int]:
         return ids[-self.truncate :] if self.truncate is not None and len(ids) > self.truncate else ids

@@ -3,7 +3,7 @@
 vLLM's spellings a user types work too: --gpu-memory-utilization, --tokenizer (the model's
 own only), --chat-template, --max-logprobs, --root-path, --allowed-origins,
 --disable-log-stats, --enable-auto-tool-choice, --tool-call-parser, --tool-parser-plugin,
---reasoning-parser."""
+--reasoning-parser, --stream-interval, --enable-tokenizer-info-endpoint."""
 
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--allowed-origins", type=_origins, default=None,
                    help="CORS: origins allowed to call the API, a JSON list or comma-separated (default: no CORS headers)")
     v.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line in the log")
+    v.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed event: 1 sends each token as it is made; N holds a choice's tokens until N gathered (its first and last go at once)")
+    v.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve GET /tokenizer_info (the tokenizer's config and chat template, vLLM's shape); on unless --no-enable-tokenizer-info-endpoint")
     t = parser.add_argument_group("tool calling (vLLM's flags; docs/tools.md)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto" (the default when tools are given): parse the model\'s tool calls with --tool-call-parser')
@@ -102,6 +106,8 @@ def _resolve_vllm_spellings(args: argparse.Namespace) -> None:
             args.chat_template_text = path
         else:
             raise SystemExit(f"--chat-template: no such file {path!r} (and not a template)")
+    if args.stream_interval < 1:
+        raise SystemExit("--stream-interval must be >= 1")
     if not 0 <= args.max_logprobs <= 20:
         raise SystemExit("--max-logprobs must be in [0, 20]")
     _check_tool_flags(args)

@@ -6,6 +6,7 @@
     /ready                                  loaded + KV cache + warm-up done, group joined, not draining
     /metrics                                Prometheus text (shoal_*, and the same series as vllm:*)
     /tokenize, /detokenize, /version, /load vLLM's utility endpoints, in vLLM's shapes
+    /tokenizer_info                         vLLM's: the tokenizer's config and chat template
     /kv/blocks?since=SEQ&epoch=E            prefix-cache block hashes stored/removed since SEQ (docs/router.md)
 
 Life of a server: uvicorn binds at once (so probes answer while the model loads), the engine
@@ -146,6 +147,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(req: DetokenizeRequest):
         return json_response(await serving.detokenize(req))
 
+    @app.get("/tokenizer_info", responses=errors)
+    async def tokenizer_info():
+        return json_response(serving.tokenizer_info())
+
     @app.get("/version")
     async def version():
         return json_response({"version": shoal_version()})
@@ -161,14 +166,14 @@ def build_app(state: ServerState) -> FastAPI:
         """Block hashes that became findable / were evicted since event `since` of `epoch`
         (reset: true and the whole set when the log no longer reaches back, or the epoch differs),
         with /ready's answer and the load, so one poll tells a router all it weighs."""
-        pool = getattr(state.engine.engine, "pool", None) if state.engine.ready else None
-        if pool is None:
+        changes = state.engine.kv_block_changes(since, epoch)
+        if changes is None:
             raise unavailable("the model is still loading", "model_loading")
         stats = state.engine.stats
         load = {"running": stats.num_running if stats else 0, "waiting": state.engine.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage if stats else 0.0}
         return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
-                              "prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch)})
+                              "max_model_len": state.engine.max_model_len, **changes})
 
     return app
 
@@ -231,6 +236,8 @@ def serve(args) -> int:
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         reasoning_parser=getattr(args, "reasoning_parser", None),
         freeze_gc=True,
+        stream_interval=getattr(args, "stream_interval", 1),
+        tokenizer_info=getattr(args, "enable_tokenizer_info_endpoint", True),
     )
     _, asgi = build_asgi(state, getattr(args, "allowed_origins", None))
     logger.info("serving %s as %r on http://%s:%d (API key %s)", config.model, state.model_name, args.host, args.port, "required" if state.api_key else "off")

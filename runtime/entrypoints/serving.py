@@ -3,18 +3,19 @@
     check accepting, model, unsupported fields, priority     -> 400 / 404 / 503
     chat: tools, tool_choice, tool turns (tool_parsers/)     -> 400; a forced choice sets structured outputs
     chat: --reasoning-parser (reasoning_parsers/)             the thinking apart from the content
-    sampling params (bounded; top_k >= vocab is off)          -> 400
+    sampling params, built and validated once (protocol.py)   -> 400
     admit (queue bound, before any work)                      -> 503 / 400 never fits
     prompt -> token ids on the tokenizer pool                  -> 400 too long, bad template
     fits the context (prompt + max_tokens), ids in the vocab  -> 400
     admit again (no await from here to submit), submit
-    stream: wait until accepted, then SSE; else collect, then the body
+    stream: wait until accepted, then SSE (each choice's first chunk with its first token); else collect, then the body
 
-and vLLM's /tokenize and /detokenize (on the same tokenizer pool).
+and vLLM's /tokenize, /detokenize (on the same tokenizer pool) and /tokenizer_info.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -54,16 +55,15 @@ class Serving:
         extras.check_logprobs_limit(state.max_logprobs)
         return extras
 
-    def _params(self, req, max_tokens, logprobs, extras: Extras):
+    def _params(self, req, max_tokens, logprobs, extras: Extras, tools=None):
         state = self.state
         if logprobs is not None and logprobs > state.max_logprobs:
             raise APIError(400, f"at most {state.max_logprobs} logprobs per token (--max-logprobs), got {logprobs}",
                            param="top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs")
-        try:
-            params = extras.params(req.sampling_params(max_tokens, logprobs, state.engine.vocab_size))
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from None
-        structured_request.apply(req, params, state.engine.vocab_size)
+        params = req.sampling_params(max_tokens, logprobs, state.engine.vocab_size, prompt_logprobs=extras.k_engine,
+                                     forced=tools.forced() if tools is not None else None)
+        if tools is not None and tools.keeps_special_tokens():
+            params.skip_special_tokens = False
         return params
 
     async def _compile(self, req, params) -> None:
@@ -73,11 +73,10 @@ class Serving:
         if spec is None:
             return
         field = structured_request.grammar_field(req)
-        structured = getattr(self.state.engine.engine, "structured", None)
-        if structured is None:
-            raise APIError(400, "structured outputs are not supported by this engine", param=field)
         try:
-            await self.state.prompts.run(structured.compile, spec)
+            await self.state.prompts.run(self.state.engine.compile_grammar, spec)
+        except NotImplementedError as e:
+            raise APIError(400, str(e), param=field) from None
         except ValueError as e:
             raise APIError(400, str(e), param=field or "structured_outputs") from None
 
@@ -157,9 +156,9 @@ class Serving:
             for p, prompt in enumerate(prompts):
                 echo_text[p] = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
         job.submit(ids, params)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = req.stream_usage()
         renderer = Renderer(state, job, created, chat=False, logprobs=req.logprobs, echo_text=echo_text, include_usage=include_usage,
-                            extras=extras)
+                            continuous_usage=continuous_usage, extras=extras, stream_interval=state.stream_interval)
         return await self._respond(request, req, job, renderer)
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
@@ -168,9 +167,7 @@ class Serving:
         tools = tool_choice_of(req, state.tool_call_parser, state.enable_auto_tool_choice)  # 400s; docs/tools.md
         k = req.num_logprobs()
         max_tokens = req.completion_tokens_limit()
-        params = self._params(req, max_tokens, k, extras)
-        if tools is not None:
-            tools.force(params)  # required / a named function: structured outputs
+        params = self._params(req, max_tokens, k, extras, tools)  # a forced tool choice: its grammar
         self._admit(1)
         await self._compile(req, params)
         ids = extras.truncated(await self._tokenize(state.prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt,
@@ -182,8 +179,9 @@ class Serving:
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         job.submit([ids], params)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras, tools=output)
+        include_usage, continuous_usage = req.stream_usage()
+        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, continuous_usage=continuous_usage,
+                            extras=extras, tools=output, stream_interval=state.stream_interval)
         return await self._respond(request, req, job, renderer)
 
     # -- vLLM's utility endpoints -----------------------------------------------------------
@@ -216,3 +214,34 @@ class Serving:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": await state.prompts.run(state.prompts.decode, req.tokens)}
 
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's GET /tokenizer_info: the tokenizer's init kwargs (tokenizer_config.json) without
+        file paths, special tokens as their text, its class, and the chat template this server
+        renders with (what lm-evaluation-harness's remote tokenizer reads)."""
+        state = self.state
+        if not state.tokenizer_info:
+            raise APIError(404, "/tokenizer_info is off (--no-enable-tokenizer-info-endpoint)", code="not_found")
+        state.check_accepting()
+        tok = state.engine.tokenizer
+        config = {k: _plain(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if not k.endswith("_file")}
+        config["tokenizer_class"] = type(tok).__name__
+        template = state.prompts.chat_template if state.prompts is not None else None
+        if template:
+            config["chat_template"] = template
+        return config
+
+
+def _plain(value):
+    """JSON's types: an AddedToken is its text (as vLLM writes it), anything else unknown its str()."""
+    if hasattr(value, "content") and not isinstance(value, (str, dict)):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

@@ -13,7 +13,7 @@ engine cannot compile is a 400 too.
 from __future__ import annotations
 
 from shoal.runtime.entrypoints.errors import APIError
-from shoal.runtime.sampling_params import SamplingParams, StructuredOutputsParams
+from shoal.runtime.sampling_params import StructuredOutputsParams
 
 BACKENDS = ("xgrammar", "auto")
 
@@ -84,18 +84,15 @@ def grammar_field(req) -> str | None:
                  if getattr(req, f) is not None), None)
 
 
-def apply(req, params: SamplingParams, vocab_size: int | None) -> None:
-    """Set params' structured_outputs, logit_bias, allowed_token_ids and bad_words from the body."""
+def fields(req) -> dict:
+    """The SamplingParams fields the body's grammar and logit fields ask for (a 400 naming
+    the field for a bad grammar field; the values are checked when the params are built)."""
     found = _spec(req)
-    if found is not None:
-        params.structured_outputs = found[0]
-    params.logit_bias = _logit_bias(req)
-    params.allowed_token_ids = list(req.allowed_token_ids) if req.allowed_token_ids is not None else None
-    params.bad_words = list(req.bad_words) if req.bad_words is not None else None
-    try:
-        params.validate()
-        if vocab_size:
-            params.check_vocab(vocab_size)
-    except ValueError as e:
-        field = next((f for f in ("logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids") if str(e).startswith(f)), None)
-        raise APIError(400, str(e), param=field) from None
+    return {"structured_outputs": found[0] if found is not None else None, "logit_bias": _logit_bias(req),
+            "allowed_token_ids": list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+            "bad_words": list(req.bad_words) if req.bad_words is not None else None}
+
+
+def param_of(error: Exception) -> str | None:
+    """The body field a SamplingParams error is about, where its message names one."""
+    return next((f for f in ("logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids") if str(error).startswith(f)), None)

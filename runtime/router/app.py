@@ -12,7 +12,9 @@ backends, send it to the first. A connection error or a 503 before the first byt
 to the next (the error of a backend that already sent bytes reaches the client, as it
 would from a server). With no backend ready the request is held, at most --max-pending of
 them, each at most --pending-timeout seconds, woken the moment a poller sees a backend
-turn ready; past the bound, 503 + Retry-After.
+turn ready; past the bound, 503 + Retry-After. A client that leaves before the first byte
+ends its request here: a held one leaves the pending count at once and is never sent, one
+in flight has its connection to the group closed, so the group aborts it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Router:
         self.client: aiohttp.ClientSession | None = None
         backends.on_change = lambda b: self.metrics.backend_polled(b, picker.load(b.view()))
         backends.on_forget = self.metrics.forget
+        hasher.on_skip = lambda why: self.metrics.unhashed.labels(why).inc()
 
     async def start(self) -> None:
         # aiohttp, not httpx, for the hop: its request path costs a fraction of httpx's, which
@@ -115,14 +118,34 @@ class Router:
         path = request.url.path
         hashes: list[int] = []
         if request.method == "POST" and path in ("/v1/completions", "/v1/chat/completions") and self.policy == "prefix":
-            hashes = await self.hasher.hashes(path, _json(body), self.backends.block_size())
+            hashes = await self.hasher.hashes(path, _json(body), self.backends.block_size(), self.backends.max_model_len())
         session = request.headers.get(self.session_header) if self.session_header else None
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
         rid = (request.scope.get("state") or {}).get("request_id")
         if rid and not any(k.lower() == "x-request-id" for k, _ in headers):
             headers.append(("x-request-id", rid))
         target = path + (f"?{request.url.query}" if request.url.query else "")
-        return await self._send(request.method, target, headers, body, hashes, session, t0)
+        return await self._unless_gone(request, self._send(request.method, target, headers, body, hashes, session, t0))
+
+    async def _unless_gone(self, request: Request, sending) -> Response:
+        """`sending` (held, then sent, up to the first byte), cancelled the moment the client
+        disconnects: a held request then leaves the pending count and is never sent, one in
+        flight has its connection to the group closed (the group aborts it)."""
+        send = asyncio.ensure_future(sending)
+        gone = asyncio.ensure_future(_disconnect(request.receive))
+        try:
+            await asyncio.wait((send, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not send.done():
+                send.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await send
+                self.metrics.abandoned.inc()
+                logger.info("client gone before the first byte: request dropped")
+        if send.cancelled():
+            return Response(status_code=499)  # nobody is there to read it
+        return send.result()
 
     async def _send(self, method, target, headers, body, hashes, session, t0: float) -> Response:
         deadline = time.monotonic() + self.pending_timeout
@@ -241,6 +264,15 @@ def _pass_headers(h, b: Backend) -> dict:
     return out
 
 
+async def _disconnect(receive) -> None:
+    """Returns when the client disconnects (the body is already read: nothing else comes)."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a server that cannot tell: never taken for a disconnect
+        await asyncio.Future()
+
+
 def _unavailable(message: str, code: str) -> Response:
     return error_response(503, message, "service_unavailable", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
@@ -250,7 +282,7 @@ def _json(body: bytes):
 
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack: the server will say
         return None
 
 
@@ -295,13 +327,13 @@ def build_app(router: Router) -> FastAPI:
 
     for path, methods in (("/v1/completions", ["POST"]), ("/v1/chat/completions", ["POST"]), ("/v1/models", ["GET"]),
                           ("/v1/models/{model_id:path}", ["GET"]), ("/tokenize", ["POST"]), ("/detokenize", ["POST"]),
-                          ("/version", ["GET"]), ("/load", ["GET"])):
+                          ("/tokenizer_info", ["GET"]), ("/version", ["GET"]), ("/load", ["GET"])):
         app.add_api_route(path, forward, methods=methods, include_in_schema=False)
     return app
 
 
 FORWARDED = {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/tokenize"),
-             ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/load")}
+             ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("GET", "/version"), ("GET", "/load")}
 
 
 class HotPath:

@@ -31,6 +31,7 @@ class Backend:
         self.epoch: str | None = None
         self.seq = 0
         self.block_size: int | None = None
+        self.max_model_len: int | None = None
         self.running = self.waiting = 0
         self.kv_usage = 0.0
         self.in_flight = 0  # requests this router has sent and not seen end
@@ -62,6 +63,7 @@ class Backend:
         self.blocks.difference_update(reply.get("removed") or ())
         self.epoch, self.seq = reply.get("epoch"), int(reply.get("seq", 0))
         self.block_size = int(reply.get("block_size") or 16)
+        self.max_model_len = int(reply["max_model_len"]) if reply.get("max_model_len") else None
         load = reply.get("load") or {}
         self.running, self.waiting = int(load.get("running", 0)), int(load.get("waiting", 0))
         self.kv_usage = float(load.get("kv_cache_usage", 0.0))
@@ -101,6 +103,13 @@ class Backends:
             if b.block_size:
                 return b.block_size
         return 16
+
+    def max_model_len(self) -> int | None:
+        """The context the backends report (None until one has): prompts past it are refused there."""
+        for b in self.by_url.values():
+            if b.max_model_len:
+                return b.max_model_len
+        return None
 
     # -- life ------------------------------------------------------------------------------
     async def start(self) -> None:

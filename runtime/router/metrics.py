@@ -23,6 +23,12 @@ class RouterMetrics:
         self.ready = Gauge("shoal_router_backend_ready", "1 when the backend's latest poll said ready", ["backend"], registry=r)
         self.overhead = Histogram("shoal_router_overhead_seconds", "The router's own time before a request goes out: body, tokenize, hash, pick",
                                   buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
+        self.abandoned = Counter("shoal_router_abandoned", "Requests whose client left before the first byte (held: never sent; in flight: aborted at the group)",
+                                 registry=r)
+        self.unhashed = Counter("shoal_router_unhashed", "Requests routed without hashes: unreadable (the group answers its 400), too_long (refused by size, not tokenized)",
+                                ["reason"], registry=r)
+        for reason in ("unreadable", "too_long"):
+            self.unhashed.labels(reason)
         self.load = Gauge("shoal_router_backend_load", "The picker's load term of the backend, 0 to 1", ["backend"], registry=r)
 
     def backend_polled(self, b, load: float) -> None:

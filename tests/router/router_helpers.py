@@ -18,12 +18,12 @@ GROUP_ARGS = ["--max-num-seqs", "16", "--max-model-len", "512", "--kv-cache-memo
               "--max-num-batched-tokens", "512", "--disable-log-stats", "--served-model-name", "m"]
 
 
-def start_group(model_dir: Path, port: int | None = None, wait: bool = True) -> Server:
+def start_group(model_dir: Path, port: int | None = None, wait: bool = True, extra: tuple[str, ...] = ()) -> Server:
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="shoal-group-", suffix=".log")[1])
     env = dict(os.environ, SHOAL_ACCESS_LOG="0", PYTHONUNBUFFERED="1")
     env.pop("SHOAL_API_KEY", None)
-    cmd = [sys.executable, "-m", "shoal.runtime.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *GROUP_ARGS]
+    cmd = [sys.executable, "-m", "shoal.runtime.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *GROUP_ARGS, *extra]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     s = Server(proc, f"http://127.0.0.1:{port}", log)

@@ -18,7 +18,6 @@ from shoal.runtime.entrypoints.tool_parsers.chat_template import hermes_template
 from shoal.runtime.entrypoints.tool_parsers.choice import ToolChoice, tool_choice_of
 from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 from shoal.runtime.entrypoints.errors import APIError
-from shoal.runtime.sampling_params import SamplingParams
 
 Hermes = get_tool_parser("hermes")
 ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{32}$")
@@ -219,13 +218,9 @@ def test_required_schema_accepts_calls_and_refuses_others():
 def test_named_schema_is_the_parameters_and_is_forced():
     choice = tool_choice_of(request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}), None, False)
     assert choice.schema() == TIME["function"]["parameters"]
-    params = SamplingParams()
-    choice.force(params)
-    assert params.structured_outputs.json == TIME["function"]["parameters"]
+    assert choice.forced().json == TIME["function"]["parameters"]
     auto = tool_choice_of(request(tools=[WEATHER], tool_choice="auto"), "hermes", True)
-    params = SamplingParams()
-    auto.force(params)
-    assert params.structured_outputs is None
+    assert auto.forced() is None
 
 
 @pytest.mark.parametrize("kw,param", [

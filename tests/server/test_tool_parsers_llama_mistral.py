@@ -153,12 +153,8 @@ def test_max_calls_keeps_the_first(cls, text):
 def test_mistral_requests_keep_special_tokens():
     tools = [{"type": "function", "function": {"name": "f"}}]
     for name, keeps in (("mistral", True), ("hermes", False), ("llama3_json", False)):
-        params = SamplingParams()
-        ToolChoice("auto", tools, parser=get_tool_parser(name)).force(params)
-        assert params.skip_special_tokens is (not keeps)
-    params = SamplingParams()
-    ToolChoice("none", tools).force(params)
-    assert params.skip_special_tokens is True
+        assert ToolChoice("auto", tools, parser=get_tool_parser(name)).keeps_special_tokens() is keeps
+    assert ToolChoice("none", tools).keeps_special_tokens() is False
 
 
 FUZZ_PIECES = ["[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "{", "}", "[", "]", ",", ";", " ", "\n", '"', '\\"', "f", "x y",

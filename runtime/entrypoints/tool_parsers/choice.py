@@ -68,18 +68,19 @@ class ToolChoice:
             schema["$defs"] = defs
         return schema
 
-    def force(self, params) -> None:
-        """Set the sampling params' structured outputs for a forced choice; keep special tokens
-        in the text for a parser whose markers are special tokens (mistral's [TOOL_CALLS])."""
-        if self.mode == "auto" and getattr(self.parser, "keeps_special_tokens", False):
-            params.skip_special_tokens = False
+    def keeps_special_tokens(self) -> bool:
+        """Whether the answer's text must keep special tokens: a parser whose markers are special
+        tokens (mistral's [TOOL_CALLS]) reads them, in auto mode."""
+        return self.mode == "auto" and getattr(self.parser, "keeps_special_tokens", False)
+
+    def forced(self) -> StructuredOutputsParams | None:
+        """The grammar of a forced choice (required, a named function), or None: the request's
+        SamplingParams get it (protocol.sampling_params), and a 400 if it asks for another."""
         schema = self.schema()
         if schema is None:
-            return
-        if params.structured_outputs is not None:
-            raise _bad("tool_choice 'required' or a named function cannot be combined with other structured outputs", "tool_choice")
+            return None
         # compact JSON: whitespace carries nothing in a call, and a weak model can loop on it
-        params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def check_tools(tools: list[dict]) -> None:
