@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from shoal.runtime import cpu_threads
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
 from shoal.runtime.executor.base import Executor
@@ -53,6 +54,8 @@ class ModelRunner(Executor):
         self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         self.dtype = DTYPES.get(config.dtype, torch.float32)
+        if self.device.type == "cpu" and state.tp_size * state.pp_size == 1:  # a group's ranks set theirs in launch
+            cpu_threads.set_threads(cpu_threads.num_threads(config.num_threads))
         from shoal.kernels import get_ops
 
         self.ops = get_ops(config.attention_backend, self.device)
