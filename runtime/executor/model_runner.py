@@ -45,6 +45,18 @@ class StepInput:
     fill_rows: torch.Tensor | None = None
 
 
+def gguf_blocks(config, model_dir) -> dict | None:
+    """--quantization gguf: the quantized blocks of the GGUF file the model was converted from."""
+    if config.quantization != "gguf":
+        return None
+    from shoal.runtime.models.gguf_convert import gguf_source, quantized_weights
+
+    source = gguf_source(model_dir)
+    if source is None:
+        raise ValueError("--quantization gguf needs a GGUF model (a .gguf file or builtin://NAME)")
+    return quantized_weights(source)
+
+
 class ModelRunner(Executor):
     scores_prompts = True
     overlaps_steps = True
@@ -70,7 +82,7 @@ class ModelRunner(Executor):
             if config.cpu_decode_max_seqs:
                 from shoal.runtime.models.cpu_llama import CpuDecoder
 
-                self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
+                self.cpu_decoder = CpuDecoder.create(self.model, quantized=gguf_blocks(config, model_dir))  # before oneDNN packing drops the plain weights
         if self.cpu_decoder is not None:  # the same library runs the prefill's SwiGLU and attention
             c = self.cpu_decoder
             self.ops = SimpleNamespace(**vars(self.ops) | {"silu_and_mul": c.silu_and_mul,
