@@ -45,6 +45,21 @@ class StepInput:
     fill_rows: torch.Tensor | None = None
 
 
+def native_sampler():
+    """The CPU's C sampler (temperature, top-p; layers/sampler.py), or None where the C library
+    cannot be built (the torch sampler then)."""
+    from shoal.runtime.models import cpu_llama
+
+    if cpu_llama.cpu_supported() is not None:
+        return None
+    try:
+        cpu_llama.load_library()
+    except (RuntimeError, OSError) as e:
+        log.info("C sampler not used: %s", e)
+        return None
+    return cpu_llama.sample_top_p
+
+
 def gguf_blocks(config, model_dir) -> dict | None:
     """--quantization gguf: the quantized blocks of the GGUF file the model was converted from."""
     if config.quantization != "gguf":
@@ -87,6 +102,7 @@ class ModelRunner(Executor):
             c = self.cpu_decoder
             self.ops = SimpleNamespace(**vars(self.ops) | {"silu_and_mul": c.silu_and_mul,
                                                            "paged_attention_prefill": c.paged_attention_prefill})
+        self.native_sampler = native_sampler() if self.device.type == "cpu" else None
         if pack_for_cpu(self.model):
             log.info("linear weights prepacked for oneDNN")
         self.kv_caches: list[torch.Tensor] = []
@@ -197,7 +213,7 @@ class ModelRunner(Executor):
             if sampling.output_ids is not None:
                 sampling.output_ids[rows, output_cols] = tokens
             sampling.history_fill = None  # filled; per-row fallbacks (select) never see it
-        sampled = sample_on_device(logits, sampling)
+        sampled = sample_on_device(logits, sampling, self.native_sampler)
         self.last_tokens = sampled.tokens
         return sampled
 

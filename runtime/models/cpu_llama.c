@@ -711,6 +711,123 @@ int64_t shoal_quantized_matmul(int64_t type, const uint8_t *blocks, int64_t N, i
     return 0;
 }
 
+/* ---- sampling: temperature and top-p without a sort --------------------------------- */
+
+/* the next uniform in (0, 1] after u: splitmix64 of its bits (a retry's draw, as fixed as u) */
+static double next_uniform(double u) {
+    uint64_t x;
+    memcpy(&x, &u, sizeof x);
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return ((double)(x >> 11) + 0.5) / 9007199254740992.0;
+}
+
+/* the first token whose running sum of e reaches r (the last with e > 0 if rounding never does) */
+static int64_t inverse_cdf(const float *e, int64_t V, double r) {
+    double cum = 0.0;
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) { /* skip whole groups of 8 */
+        double g = hsum(_mm256_loadu_ps(e + i));
+        if (cum + g >= r) break;
+        cum += g;
+    }
+    for (; i < V; i++) {
+        cum += e[i];
+        if (cum >= r && e[i] > 0) return i;
+    }
+    for (int64_t j = V - 1; j > 0; j--)
+        if (e[j] > 0) return j;
+    return 0;
+}
+
+/* the probability mass (unnormalized) of the tokens strictly more likely than e_t */
+static double mass_above(const float *e, int64_t V, float et) {
+    __m256 acc = _mm256_setzero_ps(), t = _mm256_set1_ps(et);
+    int64_t i = 0;
+    double sum = 0.0;
+    for (; i + 8 <= V; i += 8) {
+        __m256 v = _mm256_loadu_ps(e + i);
+        acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ), v));
+        if ((i & 1023) == 1016) sum += hsum(acc), acc = _mm256_setzero_ps(); /* float sums stay short */
+    }
+    sum += hsum(acc);
+    for (; i < V; i++) sum += e[i] > et ? e[i] : 0.0f;
+    return sum;
+}
+
+static int cmp_desc(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* One row: greedy (temperature 0), or a token of softmax(x / T) restricted to the top-p nucleus
+ * (the fewest most likely tokens whose mass reaches p, as a sort-and-cumsum would keep it).
+ * Sampled from the full distribution and kept when the token lies inside the nucleus (the
+ * mass strictly above it is below p), else drawn again: exactly the nucleus's distribution,
+ * at two or three passes over the row instead of a sort. After 16 misses (p tiny against a
+ * flat distribution) the row's nucleus threshold comes from a sort. */
+static int64_t sample_row(const float *x, int64_t V, float temperature, float top_p, double u, float *e, float *sorted) {
+    float mx = max_of(x, V);
+    if (temperature <= 0.0f) {
+        for (int64_t i = 0; i < V; i++)
+            if (x[i] == mx) return i;
+        return 0;
+    }
+    float inv = 1.0f / temperature;
+    int64_t i = 0;
+    __m256 vs = _mm256_setzero_ps(), vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(mx * inv);
+    double z = 0.0;
+    for (; i + 8 <= V; i += 8) {
+        __m256 v = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(x + i), vi, vm));
+        v = _mm256_and_ps(v, _mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(-INFINITY), _CMP_GT_OQ)); /* -inf: 0 */
+        _mm256_storeu_ps(e + i, v);
+        vs = _mm256_add_ps(vs, v);
+        if ((i & 1023) == 1016) z += hsum(vs), vs = _mm256_setzero_ps();
+    }
+    z += hsum(vs);
+    for (; i < V; i++) z += (e[i] = x[i] > -INFINITY ? expf(x[i] * inv - mx * inv) : 0.0f);
+    if (top_p >= 1.0f) return inverse_cdf(e, V, u * z);
+    double need = (double)top_p * z;
+    for (int attempt = 0; attempt < 16; attempt++) {
+        int64_t t = inverse_cdf(e, V, u * z);
+        if (mass_above(e, V, e[t]) < need) return t;
+        u = next_uniform(u);
+    }
+    if (!sorted) return inverse_cdf(e, V, u * z); /* no memory for the sort: the last draw's row */
+    memcpy(sorted, e, V * sizeof(float));
+    qsort(sorted, V, sizeof(float), cmp_desc);
+    double before = 0.0;
+    float threshold = sorted[0];
+    for (int64_t j = 0; j < V && before < need; j++) threshold = sorted[j], before += sorted[j];
+    double kept = 0.0;
+    for (int64_t j = 0; j < V; j++) {
+        if (e[j] < threshold) e[j] = 0.0f;
+        kept += e[j];
+    }
+    return inverse_cdf(e, V, u * kept);
+}
+
+/* tokens[s] for the S rows of logits [S, V] (each row's temperature, top_p; u in (0, 1]) */
+int64_t shoal_sample_top_p(const float *logits, int64_t S, int64_t V, const float *temperature, const float *top_p,
+                           const double *u, int64_t *tokens, int64_t num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads((int)num_threads)
+    {
+        float *e = aligned_alloc(64, ((V * sizeof(float) + 63) / 64) * 64), *sorted = NULL;
+        if (!e) failed = 1;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t s = 0; s < S; s++) {
+            if (!e) continue;
+            if (top_p[s] < 1.0f && temperature[s] > 0.0f && !sorted) sorted = malloc(V * sizeof(float));
+            tokens[s] = sample_row(logits + s * V, V, temperature[s], top_p[s], u[s], e, sorted);
+        }
+        free(e), free(sorted);
+    }
+    return failed ? -1 : 0;
+}
+
 /* out[t] = silu(x[t, :I]) * x[t, I:] for T rows of a fused gate/up projection, in one pass
  * (torch's silu and mul take three over the same megabytes); the prefill path uses it. */
 void shoal_silu_and_mul(const float *x, float *out, int64_t T, int64_t I, int64_t num_threads) {

@@ -116,6 +116,8 @@ def load_library() -> ctypes.CDLL:
         lib.shoal_silu_and_mul.argtypes = [F32P, F32P, I64, I64, I64]
         lib.shoal_quantized_matmul.restype = I64
         lib.shoal_quantized_matmul.argtypes = [I64, U8P, I64, I64, F32P, I64, F32P]
+        lib.shoal_sample_top_p.restype = I64
+        lib.shoal_sample_top_p.argtypes = [F32P, I64, I64, F32P, F32P, P(ctypes.c_double), P(I64), I64]
         lib.shoal_prefill_attention.restype = I64
         lib.shoal_prefill_attention.argtypes = [P(_Prefill), I64]
         _LIB = lib
@@ -167,6 +169,24 @@ def _ptr(t: torch.Tensor | None):
 
 def _i64(t: torch.Tensor):
     return ctypes.cast(t.data_ptr(), P(I64))
+
+
+def sample_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
+                 num_threads: int | None = None) -> torch.Tensor:
+    """[S] tokens from logits [S, V] float32: argmax where temperature is 0, else a draw of
+    softmax(logits / temperature) within each row's top-p nucleus (top_p 1: all), u [S] float64
+    in (0, 1] each row's uniform; exactly the distribution that sorting and cumsum give
+    (layers/sampler.py), in a few passes over each row (cpu_llama.c, sample_row)."""
+    lib = load_library()
+    logits = logits.float().contiguous()
+    S, V = logits.shape
+    temperature, top_p = temperature.float().contiguous(), top_p.float().contiguous()
+    u = u.double().contiguous()
+    tokens = torch.empty(S, dtype=torch.int64)
+    if lib.shoal_sample_top_p(_ptr(logits), S, V, _ptr(temperature), _ptr(top_p), ctypes.cast(u.data_ptr(), P(ctypes.c_double)),
+                              _i64(tokens), num_threads or torch.get_num_threads()):
+        raise MemoryError("sample_top_p: out of memory for its scratch")
+    return tokens
 
 
 def quantized_matmul(qtype: int, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
