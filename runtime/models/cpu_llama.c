@@ -23,9 +23,10 @@
  * Quantized weights (GGUF's Q4_0, Q4_1, Q8_0 blocks, kept as the file stores them): a batch-1
  * step reads 4.5-8.5 bits a weight instead of 32. Small batches (up to QUANT_DOT_MAX_BATCH)
  * quantize each input row to 8-bit blocks (llama.cpp's Q8 activations) and take integer dot
- * products block by block; larger ones dequantize 16 rows at a time into a float panel that
- * stays in cache and run the float tiles over the whole batch (exact to the dequantized
- * weights). The reference is gguf.quants (tests/models/test_cpu_quantized.py).
+ * products block by block. Larger batches are compute-bound, where the float tiles do more
+ * per instruction: they run on the float panels where the decoder keeps them too, else
+ * dequantize 16 rows at a time into a float panel in cache and run the tiles on it (both
+ * exact to the dequantized weights). The reference is gguf.quants (tests/models/test_cpu_quantized.py).
  *
  * Compiled at first use (runtime/models/cpu_llama.py) with -O3 -mavx2 -mfma -mf16c.
  */
@@ -38,7 +39,7 @@
 
 #define MAX_BATCH 256
 #define MAX_THREADS 64
-#define QUANT_DOT_MAX_BATCH 4 /* larger batches dequantize panels and reuse them over the batch */
+#define QUANT_DOT_MAX_BATCH 4 /* larger batches run float tiles (see above); measured: 8 lost to them */
 #define QK 32                 /* weights per block of every supported type */
 enum { TYPE_F32_PANELS = 0, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's numbers */
 
@@ -64,7 +65,7 @@ typedef struct {
     const int64_t *types; /* [num_layers * 4 + 1]: qkv, o, gate_up, down of each layer, then the LM head */
 } Model;
 
-/* A weight matrix: float panels, or rows of GGUF blocks of `type`. */
+/* A weight matrix: float panels, rows of GGUF blocks of `type` (0: none), or both. */
 typedef struct {
     const float *panels;
     const uint8_t *blocks;
@@ -438,7 +439,7 @@ static void matvec(Worker *w, Mat W, const float *bias, const float *x, int64_t 
     share(w, (panels + 1) / 2, &q0, &q1);
     float (*out)[16] = w->tile_out;
     for (int64_t q = q0; q < q1; q++) {
-        if (W.type) quant_pair(w, &W, q, n_valid, x, xq, B, K, out);
+        if (W.type && (B <= QUANT_DOT_MAX_BATCH || !W.panels)) quant_pair(w, &W, q, n_valid, x, xq, B, K, out);
         else panel_pair(W.panels, q, panels, x, B, K, out);
         int64_t rows = n_valid - 16 * q < 16 ? n_valid - 16 * q : 16;
         for (int64_t b = 0; b < B; b++)
@@ -454,7 +455,7 @@ static void gate_up_silu(Worker *w, Mat W, const float *x, int64_t B, int64_t K,
     share(w, I / 8, &q0, &q1);
     float (*out)[16] = w->tile_out;
     for (int64_t q = q0; q < q1; q++) {
-        if (W.type) quant_pair(w, &W, q, 2 * I, x, xq, B, K, out);
+        if (W.type && (B <= QUANT_DOT_MAX_BATCH || !W.panels)) quant_pair(w, &W, q, 2 * I, x, xq, B, K, out);
         else panel_pair(W.panels, q, 2 * (I / 8), x, B, K, out);
         for (int64_t b = 0; b < B; b++) {
             _mm256_storeu_ps(act + b * I + q * 8, _mm256_mul_ps(silu8(_mm256_loadu_ps(out[b])), _mm256_loadu_ps(out[b] + 8)));

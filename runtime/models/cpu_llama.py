@@ -164,7 +164,7 @@ class Arena:
 
 
 def _ptr(t: torch.Tensor | None):
-    return ctypes.cast(t.data_ptr(), F32P) if t is not None else None
+    return ctypes.cast(t.data_ptr(), F32P) if t is not None and t.numel() else None
 
 
 def _i64(t: torch.Tensor):
@@ -248,7 +248,7 @@ class CpuDecoder:
     """One model's decoder: its packed weights and the C handle (steps run on the caller's
     OpenMP team, torch's own)."""
 
-    def __init__(self, model, num_threads: int, quantized: dict | None = None):
+    def __init__(self, model, num_threads: int, quantized: dict | None = None, float_panels: bool = True):
         self.lib = load_library()
         self.max_batch = int(self.lib.shoal_max_batch())
         cfg = model.cfg
@@ -268,8 +268,9 @@ class CpuDecoder:
         for i, (a, l) in enumerate(zip(attn, layers)):
             makers = [lambda: pack_panels(plain(a.qkv_proj)), lambda: pack_panels(plain(a.o_proj)),
                       lambda: pack_gate_up(plain(l.mlp.gate_up_proj), I), lambda: pack_panels(plain(l.mlp.down_proj))]
-            packed += [torch.empty(0) if quant[4 * i + j] else make() for j, make in enumerate(makers)]
-        packed.append(torch.empty(0) if quant[-1] else pack_panels(model.lm_head.weight.data[: cfg.vocab_size].float()))
+            packed += [torch.empty(0) if quant[4 * i + j] and not float_panels else make() for j, make in enumerate(makers)]
+        packed.append(torch.empty(0) if quant[-1] and not float_panels
+                      else pack_panels(model.lm_head.weight.data[: cfg.vocab_size].float()))
         self.arena = Arena(packed)
         self.block_arena = Arena([q[1] if q else torch.empty(0, dtype=torch.uint8) for q in quant], torch.uint8)
         del packed
@@ -327,14 +328,16 @@ class CpuDecoder:
             raise RuntimeError(f"cpu decoder: bad thread count {self.num_threads}")
 
     @classmethod
-    def create(cls, model, num_threads: int | None = None, quantized: dict | None = None) -> "CpuDecoder | None":
+    def create(cls, model, num_threads: int | None = None, quantized: dict | None = None,
+               float_panels: bool = True) -> "CpuDecoder | None":
         """The decoder for this model (whose linear weights are still plain), or None (logged)
-        where it cannot run. `quantized`: GGUF blocks to read instead of float weights
-        ({HF weight name: (type, rows)}, gguf_convert.quantized_weights)."""
+        where it cannot run. `quantized`: GGUF blocks that small batches read instead of float
+        weights ({HF weight name: (type, rows)}, gguf_convert.quantized_weights); larger
+        batches run on float panels (`float_panels`) or on panels dequantized as they go."""
         reason = unsupported_reason(model)
         if reason is None:
             try:
-                return cls(model, num_threads or torch.get_num_threads(), quantized)
+                return cls(model, num_threads or torch.get_num_threads(), quantized, float_panels)
             except (RuntimeError, OSError) as e:
                 reason = str(e)
         log.info("C decode step not used: %s", reason)

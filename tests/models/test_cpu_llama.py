@@ -236,12 +236,14 @@ def quantized_tiny(tmp_path_factory, builtin_dir):
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decoder_on_quantized_blocks_matches_the_dequantized_model(quantized_tiny, batch, threads):
+@pytest.mark.parametrize("float_panels", [True, False])
+def test_decoder_on_quantized_blocks_matches_the_dequantized_model(quantized_tiny, batch, threads, float_panels):
     """A decode step reading Q8_0/Q4_0/Q4_1 blocks against the torch model holding the same
-    weights dequantized by gguf.quants: the same logits for a batch of 8 (float tiles), and
-    log-probabilities within 0.05 of them where the inputs are rounded to 8 bits (batches <= 4)."""
+    weights dequantized by gguf.quants: the same logits for a batch of 8 (float tiles, on float
+    panels or on panels dequantized as they go), and log-probabilities within 0.05 of them where
+    the inputs are rounded to 8 bits (batches <= 4)."""
     model, blocks = quantized_tiny
-    decoder = CpuDecoder.create(model, num_threads=threads, quantized=blocks)
+    decoder = CpuDecoder.create(model, num_threads=threads, quantized=blocks, float_panels=float_panels)
     assert decoder.quantized_types == [8, 2, 3, 2] * 2 + [8]
     ours, theirs = new_caches(model, 16), new_caches(model, 16)
     decoder.attach(ours)
