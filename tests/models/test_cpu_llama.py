@@ -295,3 +295,13 @@ def test_engine_serves_the_builtin_model_from_its_q4_1_blocks(builtin_dir, token
     # the same weights; 8-bit inputs to each product move a chosen token's log-probability
     # by ~0.03 on average (measured 0.03 mean, 0.27 max over 213 tokens)
     assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.6, diffs
+
+
+def test_quantization_needs_a_gguf_model(tmp_path, builtin_dir):
+    from shoal.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="awq")
+    path = make_tiny_model(tmp_path / "hf", builtin_dir)
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        LLM(str(path), quantization="gguf", kv_cache_memory=2**24)
