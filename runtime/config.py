@@ -39,13 +39,19 @@ class EngineConfig:
     # Schedule and prepare step N+1 while the device runs step N, its input tokens filled in on
     # the device (vLLM's --async-scheduling). None: on where it pays, a GPU in one process.
     async_scheduling: bool | None = None
+    # CPU threads of each process (torch, OpenMP, the C decode step). None: SHOAL_NUM_THREADS,
+    # else the CPUs the process may use, the smaller of its affinity mask and cgroup quota.
+    num_threads: int | None = None
+    # "gguf": a GGUF model's C decode step reads its quantized blocks (Q4_0, Q4_1, Q8_0) as the
+    # file stores them instead of the float32 weights dequantized at load. None: float32.
+    quantization: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "batches_in_flight"):
+                     "batches_in_flight", "num_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -53,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"cpu_decode_max_seqs must be in [0, 256], got {self.cpu_decode_max_seqs}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be one of float32, float16, bfloat16, auto; got {self.dtype!r}")
+        if self.quantization not in (None, "gguf"):
+            raise ValueError(f"quantization must be 'gguf' or unset; got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
 
@@ -108,6 +116,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help=f"attention kernels (default: {d.attention_backend})")
     g.add_argument("--batches-in-flight", type=int, help="pipeline parallel: batches in the pipe at once (default: one per stage)")
     g.add_argument("--cpu-decode-max-seqs", type=int, help=f"CPU: decode steps of up to this many sequences run in C, 0: off (default: {d.cpu_decode_max_seqs})")
+    g.add_argument("--num-threads", type=int, help="CPU threads per process (default: SHOAL_NUM_THREADS, else the CPUs "
+                   "the process may use: the smaller of its affinity mask and its cgroup CPU quota)")
+    g.add_argument("--quantization", choices=["gguf"],
+                   help="gguf: the CPU decode step reads a GGUF model's quantized blocks (Q4_0, Q4_1, Q8_0) as stored "
+                        "(default: the float32 weights dequantized at load)")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="GPU: no CUDA graphs; every step runs eagerly (default: off)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step while the device runs the previous one (default: on for one GPU process, else off)")

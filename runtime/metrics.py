@@ -60,6 +60,7 @@ class ServerMetrics:
         self.e2e = Histogram("shoal_e2e_request_latency_seconds", "Arrival to finish", m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.queue_time = Histogram("shoal_request_queue_time_seconds", "Arrival to first scheduled", m, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self._startup = Gauge("shoal_startup_phase_seconds", "Seconds each startup phase took (load, kv_cache, warmup, total)", m + ["phase"], registry=r)
+        self.cpu_threads = Gauge("shoal_cpu_threads", "CPU threads the model's process runs (torch, OpenMP, the C decode step)", m, registry=r).labels(model_name)
         self.ready = Gauge("shoal_ready", "1 when the server accepts requests (loaded, group joined, not draining)", m, registry=r).labels(model_name)
         self.ready.set(0)
 

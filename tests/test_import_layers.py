@@ -19,7 +19,7 @@ LEVELS = {
     "shoal.runtime.executor": 5, "shoal.runtime.cache": 5,
     "shoal.runtime.models": 4,
     "shoal.runtime.layers": 3,
-    "shoal.runtime.config": 2, "shoal.runtime.distributed": 2, "shoal.runtime.cpu_memory": 2,
+    "shoal.runtime.config": 2, "shoal.runtime.distributed": 2, "shoal.runtime.cpu_memory": 2, "shoal.runtime.cpu_threads": 2,
     "shoal.runtime.sampling_params": 2, "shoal.runtime.metrics": 2,
     "shoal.kernels": 1,
 }

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--profile-steps", type=int, default=10, help="decode steps under torch.profiler (0: none)")
     st.add_argument("--trace", help="keep the profiler's chrome trace here (.json or .json.gz)")
     st.add_argument("--json", help="write the results as JSON to this file")
+    st.add_argument("--temperature", type=float, help="every sequence samples with this temperature (default: greedy)")
+    st.add_argument("--top-p", type=float)
+    st.add_argument("--top-k", type=int)
+    st.add_argument("--min-p", type=float)
     st.set_defaults(func=_run_step)
 
     mm = sub.add_parser("make-model", help="write a random-weight HF model directory (prints its path)")

@@ -95,12 +95,14 @@ class ModelCallTimer:
                 setattr(self.executor, name, old)
 
 
-def fill(engine, num_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0) -> None:
+def fill(engine, num_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0, sampling: dict | None = None) -> None:
+    """`num_seqs` random prompts; greedy unless `sampling` gives temperature/top_p/top_k/min_p."""
     from shoal.runtime.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     low, high = min(100, engine.vocab_size // 4), engine.vocab_size
-    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                            **({"temperature": 0.0} | (sampling or {})))
     for i in range(num_seqs):
         engine.add_request(f"step-bench-{i}", rng.integers(low, high, prompt_len).tolist(), params)
 
@@ -250,10 +252,10 @@ def _back_to_back_by_mode(engine, device, steps: int) -> dict[str, float]:
 
 
 def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_steps: int = 3, steps: int = 20,
-                   profile: int = 10, trace_path: str | None = None, seed: int = 0) -> dict:
+                   profile: int = 10, trace_path: str | None = None, seed: int = 0, sampling: dict | None = None) -> dict:
     device = torch.device(engine.config.device)
     max_tokens = _max_tokens(warmup_steps, steps, profile, prompt_len)
-    fill(engine, num_seqs, prompt_len, max_tokens, seed)
+    fill(engine, num_seqs, prompt_len, max_tokens, seed, sampling)
     t = time.perf_counter()
     reached, running = reach_steady_decode(engine, num_seqs, prompt_len, max_steps=4 * num_seqs * max(1, prompt_len) + 64)
     fill_s = time.perf_counter() - t
@@ -298,6 +300,7 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
         "model_call_ms": _summary(model_ms),
         "host_ms": _summary([s - m for s, m in zip(step_ms, model_ms)]),
         "torch_threads": torch.get_num_threads(),
+        "sampling": sampling or {"temperature": 0.0},
     }
     if profile:
         try:
@@ -346,7 +349,7 @@ def step(args) -> int:
     llm = LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
     try:
         result = run_step_bench(llm.engine, args.num_seqs, args.prompt_len, args.warmup_steps, args.steps,
-                                args.profile_steps, args.trace, args.seed or 0)
+                                args.profile_steps, args.trace, args.seed or 0, sampling_of(args))
     finally:
         llm.engine.shutdown()
     result["model"] = args.model
@@ -359,11 +362,17 @@ def step(args) -> int:
     return 0
 
 
+def sampling_of(args) -> dict:
+    """The bench's --temperature/--top-p/--top-k/--min-p that were given."""
+    names = ("temperature", "top_p", "top_k", "min_p")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
 def format_result(r: dict) -> str:
     s, m, h = r["step_ms"], r["model_call_ms"], r["host_ms"]
     lines = [
         f"step bench: {r['num_running']} running of {r['num_seqs']} ({r['device_name']}), decode-only: {r['decode_only']}, "
-        f"{r['steps']} steps",
+        f"{r['steps']} steps, sampling {r.get('sampling')}, {r.get('torch_threads')} threads",
         f"  step        {s['median']:8.2f} ms median ({s['mean']:.2f} mean, {s['min']:.2f} min); "
         f"{r['back_to_back_ms_per_step']:.2f} ms a step back to back",
         f"  model call  {m['median']:8.2f} ms median (inside the executor's execute)",

@@ -96,6 +96,9 @@ class ServerState:
             if self.uvicorn is not None:
                 self.uvicorn.should_exit = True
             return
+        import torch
+
+        self.metrics.cpu_threads.set(torch.get_num_threads())  # what cpu_threads.py chose at load
         for phase, seconds in e.load_times.items():
             self.metrics.startup_phase(phase, seconds)
             logger.info("startup phase %-9s %7.2f s", phase, seconds)

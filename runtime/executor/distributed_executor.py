@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from shoal.runtime import cpu_threads
 from shoal.runtime.executor import launch, worker
 from shoal.runtime.executor.base import Executor
 from shoal.runtime.executor.launch import option
@@ -56,7 +57,7 @@ class DistributedExecutor(Executor):
         self.children = []
         self._in_flight: list[PendingStep] = []
         if str(config.device) == "cpu":
-            torch.set_num_threads(launch.threads_per_rank(len(spec.local_ranks())))
+            cpu_threads.set_threads(launch.threads_per_rank(len(spec.local_ranks()), config.num_threads))
         elif str(config.device).startswith("cuda"):
             torch.cuda.set_device(0)
             config = self.config = _with_device(config, "cuda:0")

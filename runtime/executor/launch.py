@@ -38,6 +38,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from shoal.runtime import cpu_threads
 from shoal.runtime.distributed import ParallelState
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,10 @@ def backend_for(config) -> str:
     return "nccl" if str(config.device).startswith("cuda") else "gloo"
 
 
-def threads_per_rank(local_ranks: int) -> int:
-    if os.environ.get("SHOAL_NUM_THREADS"):
-        return max(1, int(os.environ["SHOAL_NUM_THREADS"]))
-    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+def threads_per_rank(local_ranks: int, requested: int | None = None) -> int:
+    """--num-threads, else SHOAL_NUM_THREADS, else the CPUs this process may use (affinity
+    mask, cgroup quota) shared among the ranks on this machine (cpu_threads.py)."""
+    return cpu_threads.num_threads(requested, local_ranks)
 
 
 # ------------------------------------------------------------------ joining the world
@@ -212,7 +213,7 @@ def spawn_rank(config, spec: GroupSpec, rank: int, max_model_len: int, local_ran
     """Start one worker rank as a child process of this one."""
     env = dict(os.environ)
     env[ENV_CONFIG] = json.dumps(dataclasses.asdict(config))
-    env.setdefault("SHOAL_NUM_THREADS", str(threads_per_rank(len(spec.local_ranks()))))
+    env.setdefault("SHOAL_NUM_THREADS", str(threads_per_rank(len(spec.local_ranks()), config.num_threads)))
     cmd = [sys.executable, "-m", "shoal.runtime.executor.worker", "--rank", str(rank), "--local-rank", str(local_rank),
            "--tensor", str(spec.tensor), "--pipeline", str(spec.pipeline), "--pipeline-rank", str(rank // spec.tensor),
            "--leader-addr", spec.leader_addr if spec.pod_group else "127.0.0.1", "--port", str(spec.port),

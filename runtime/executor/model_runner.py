@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
+from shoal.runtime import cpu_threads
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
 from shoal.runtime.executor.base import Executor
@@ -44,6 +45,33 @@ class StepInput:
     fill_rows: torch.Tensor | None = None
 
 
+def native_sampler():
+    """The CPU's C sampler (temperature, top-p; layers/sampler.py), or None where the C library
+    cannot be built (the torch sampler then)."""
+    from shoal.runtime.models import cpu_llama
+
+    if cpu_llama.cpu_supported() is not None:
+        return None
+    try:
+        cpu_llama.load_library()
+    except (RuntimeError, OSError) as e:
+        log.info("C sampler not used: %s", e)
+        return None
+    return cpu_llama.sample_top_p
+
+
+def gguf_blocks(config, model_dir) -> dict | None:
+    """--quantization gguf: the quantized blocks of the GGUF file the model was converted from."""
+    if config.quantization != "gguf":
+        return None
+    from shoal.runtime.models.gguf_convert import gguf_source, quantized_weights
+
+    source = gguf_source(model_dir)
+    if source is None:
+        raise ValueError("--quantization gguf needs a GGUF model (a .gguf file or builtin://NAME)")
+    return quantized_weights(source)
+
+
 class ModelRunner(Executor):
     scores_prompts = True
     overlaps_steps = True
@@ -53,6 +81,8 @@ class ModelRunner(Executor):
         self.max_model_len = max_model_len
         self.device = torch.device(config.device)
         self.dtype = DTYPES.get(config.dtype, torch.float32)
+        if self.device.type == "cpu" and state.tp_size * state.pp_size == 1:  # a group's ranks set theirs in launch
+            cpu_threads.set_threads(cpu_threads.num_threads(config.num_threads))
         from shoal.kernels import get_ops
 
         self.ops = get_ops(config.attention_backend, self.device)
@@ -66,11 +96,12 @@ class ModelRunner(Executor):
             if config.cpu_decode_max_seqs and self.model.spec.plain:  # the C step is Llama's shape only
                 from shoal.runtime.models.cpu_llama import CpuDecoder
 
-                self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
+                self.cpu_decoder = CpuDecoder.create(self.model, quantized=gguf_blocks(config, model_dir))  # before oneDNN packing drops the plain weights
         if self.cpu_decoder is not None:  # the same library runs the prefill's SwiGLU and attention
             c = self.cpu_decoder
             self.ops = SimpleNamespace(**vars(self.ops) | {"silu_and_mul": c.silu_and_mul,
                                                            "paged_attention_prefill": c.paged_attention_prefill})
+        self.native_sampler = native_sampler() if self.device.type == "cpu" else None
         if pack_for_cpu(self.model):
             log.info("linear weights prepacked for oneDNN")
         self.kv_caches: list[torch.Tensor] = []
@@ -181,7 +212,7 @@ class ModelRunner(Executor):
             if sampling.output_ids is not None:
                 sampling.output_ids[rows, output_cols] = tokens
             sampling.history_fill = None  # filled; per-row fallbacks (select) never see it
-        sampled = sample_on_device(logits, sampling)
+        sampled = sample_on_device(logits, sampling, self.native_sampler)
         self.last_tokens = sampled.tokens
         return sampled
 

@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from shoal.runtime import cpu_threads
 from shoal.runtime.executor import launch
 from shoal.runtime.executor.launch import GroupSpec, Membership, option
 
@@ -144,7 +145,7 @@ def run_rank(config, spec: GroupSpec, rank: int, local_rank: int, max_model_len:
     launch.check_parallel_shape(hf_config, spec.tensor, spec.pipeline, layer_split)
     if max_model_len is None:
         max_model_len = config.max_model_len or hf_config.max_position_embeddings
-    torch.set_num_threads(launch.threads_per_rank(len(spec.local_ranks())))
+    cpu_threads.set_threads(launch.threads_per_rank(len(spec.local_ranks()), config.num_threads))
     if str(config.device).startswith("cuda"):
         torch.cuda.set_device(local_rank)
         config.device = f"cuda:{local_rank}"

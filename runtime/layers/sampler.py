@@ -11,10 +11,18 @@ row's uniform is a fixed function of (seed, how many tokens the sequence has sam
 before): splitmix64 on int64 tensors, one batched op for all seeded rows, no generator
 objects and no per-row work. So a seed gives the same text whatever else is in the
 batch, after a preemption, and on any device that computes the same probabilities.
+
+On the CPU the runner hands in `native` (models/cpu_llama.py, sample_top_p): temperature,
+top-p and the draw in C, a few passes over each row and no sort. It draws from the whole
+distribution and keeps the token when the mass strictly above it is below p (the rule of the
+sorted cumsum), else draws again: the nucleus's distribution exactly, whatever its size (the
+candidate set below falls back to a full sort when the nucleus is wide, as in a flat
+distribution). min-p and top-k are applied in torch first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -224,8 +232,28 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.add_(bias.view(rows, -1)[:, : logits.shape[1]])
 
 
-def sample_tokens(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
-    """logits [S, V] float32 (modified in place) -> token ids [S], on the logits' device."""
+def _uniforms(m: SamplingMetadata, n: int, device) -> torch.Tensor:
+    """[n] float64 in (0, 1]: each row's draw, a fixed function of (seed, step) for seeded rows."""
+    u = 1.0 - torch.rand(n, dtype=torch.float64, device=device)
+    if m.seed_rows is not None:
+        u[m.seed_rows] = seeded_uniforms(m.seeds, m.seed_steps)
+    return u
+
+
+def _sample_native(logits: torch.Tensor, m: SamplingMetadata, native) -> torch.Tensor:
+    """The CPU's C sampler: temperature and top-p in C; min-p and top-k in torch beforehand."""
+    temperature = torch.where(m.greedy, 0.0, m.temperature)
+    if m.min_p is not None or m.top_k is not None:
+        scaled = logits / torch.where(m.greedy, 1.0, m.temperature)[:, None]
+        logits = apply_top_k_top_p_min_p(scaled, dataclasses.replace(m, top_p=None))
+        temperature = torch.where(m.greedy, 0.0, 1.0)
+    top_p = m.top_p if m.top_p is not None else torch.ones_like(temperature)
+    return native(logits, temperature, top_p, _uniforms(m, len(logits), logits.device))
+
+
+def sample_tokens(logits: torch.Tensor, m: SamplingMetadata, native=None) -> torch.Tensor:
+    """logits [S, V] float32 (modified in place) -> token ids [S], on the logits' device.
+    `native`: the CPU's C sampler (module docstring), or None."""
     if m.repetition_penalty is not None or m.presence_penalty is not None:
         apply_penalties(logits, m)
     if m.bias_rows is not None:
@@ -236,11 +264,11 @@ def sample_tokens(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
         apply_token_bitmask(logits, m.token_bitmask)
     if m.all_greedy:
         return logits.argmax(-1)
+    if native is not None and logits.device.type == "cpu":
+        return _sample_native(logits, m, native)
     scaled = apply_top_k_top_p_min_p(logits / torch.where(m.greedy, 1.0, m.temperature)[:, None], m)
     probs = scaled.softmax(-1)
-    u = 1.0 - torch.rand(len(probs), dtype=torch.float64, device=probs.device)  # (0, 1]
-    if m.seed_rows is not None:
-        u[m.seed_rows] = seeded_uniforms(m.seeds, m.seed_steps)
+    u = _uniforms(m, len(probs), probs.device)
     return torch.where(m.greedy, logits.argmax(-1), _inverse_cdf(probs, u))
 
 
@@ -295,7 +323,7 @@ class Sampled:
 
 
 @torch.inference_mode()
-def sample_on_device(logits: torch.Tensor, m: SamplingMetadata):
+def sample_on_device(logits: torch.Tensor, m: SamplingMetadata, native=None):
     """logits [S, V], one row per sampling sequence -> the tokens, not yet read back
     (.result()). When the batch raises, the rows are sampled one by one and those that
     still raise are reported in the result's `failed`: one request's values fail that
@@ -303,21 +331,21 @@ def sample_on_device(logits: torch.Tensor, m: SamplingMetadata):
     attempt may already have penalized: a rare path, not worth a copy of every step's logits.)"""
     logits = logits.float()
     try:
-        return _sample_batch(logits, m)
+        return _sample_batch(logits, m, native)
     except Exception:  # noqa: BLE001 - isolate the row(s) that raise
-        return _sample_rows(logits, m)
+        return _sample_rows(logits, m, native)
 
 
-def _sample_batch(logits: torch.Tensor, m: SamplingMetadata) -> Sampled:
+def _sample_batch(logits: torch.Tensor, m: SamplingMetadata, native=None) -> Sampled:
     raw_logprobs = logits.log_softmax(-1) if m.num_logprobs is not None else None  # the model's, before penalties
-    return Sampled(sample_tokens(logits, m), m.num_logprobs, raw_logprobs)
+    return Sampled(sample_tokens(logits, m, native), m.num_logprobs, raw_logprobs)
 
 
-def _sample_rows(logits: torch.Tensor, m: SamplingMetadata) -> "Sampled":
+def _sample_rows(logits: torch.Tensor, m: SamplingMetadata, native=None) -> "Sampled":
     tokens, logprobs, chosen, failed = [], [], [], {}
     for row in range(logits.shape[0]):
         try:
-            r = _sample_batch(logits[row : row + 1], m.select(row)).result()
+            r = _sample_batch(logits[row : row + 1], m.select(row), native).result()
         except Exception as e:  # noqa: BLE001
             log.exception("sampling failed for row %d", row)
             failed[row] = f"sampling failed: {type(e).__name__}: {e}"

@@ -20,7 +20,15 @@
  * The reference is the torch model (runtime/models/llama.py over kernels/reference.py):
  * tests compare logits, cache contents, and each prefill op's output. Shapes and the cache layout are those of
  * kernels/reference.py; the cache is stored [2, kvh, num_blocks, block_size, d].
- * Compiled at first use (runtime/models/cpu_llama.py) with -O3 -mavx2 -mfma.
+ * Quantized weights (GGUF's Q4_0, Q4_1, Q8_0 blocks, kept as the file stores them): a batch-1
+ * step reads 4.5-8.5 bits a weight instead of 32. Small batches (up to QUANT_DOT_MAX_BATCH)
+ * quantize each input row to 8-bit blocks (llama.cpp's Q8 activations) and take integer dot
+ * products block by block. Larger batches are compute-bound, where the float tiles do more
+ * per instruction: they run on the float panels where the decoder keeps them too, else
+ * dequantize 16 rows at a time into a float panel in cache and run the tiles on it (both
+ * exact to the dequantized weights). The reference is gguf.quants (tests/models/test_cpu_quantized.py).
+ *
+ * Compiled at first use (runtime/models/cpu_llama.py) with -O3 -mavx2 -mfma -mf16c.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -31,6 +39,9 @@
 
 #define MAX_BATCH 256
 #define MAX_THREADS 64
+#define QUANT_DOT_MAX_BATCH 4 /* larger batches run float tiles (see above); measured: 8 lost to them */
+#define QK 32                 /* weights per block of every supported type */
+enum { TYPE_F32_PANELS = 0, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's numbers */
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
@@ -47,7 +58,19 @@ typedef struct {
     const float **gate_up;                 /* panels alternating 8 gate rows, 8 up rows: [2 I, hidden] */
     const float **down;                    /* panels of [hidden, I] */
     float **kv;                            /* [2, kvh, num_blocks, block_size, d] */
+    /* quantized weights: per layer qkv, o, gate_up, down (rows in the same order as the panels'
+     * rows, each row its K / 32 GGUF blocks), then the LM head; type 0: the float panels above */
+    const uint8_t **qkv_q, **o_q, **gate_up_q, **down_q;
+    const uint8_t *lm_head_q;
+    const int64_t *types; /* [num_layers * 4 + 1]: qkv, o, gate_up, down of each layer, then the LM head */
 } Model;
+
+/* A weight matrix: float panels, rows of GGUF blocks of `type` (0: none), or both. */
+typedef struct {
+    const float *panels;
+    const uint8_t *blocks;
+    int64_t type;
+} Mat;
 
 typedef struct {
     int64_t batch;                /* sequences, one new token each */
@@ -68,6 +91,8 @@ typedef struct {
     float *scores; /* attention scratch: [heads per KV head, context] */
     int64_t scores_cap;
     float tile_out[MAX_BATCH][16]; /* one panel pair's results */
+    float *dequant; /* [K, 16]: one panel pair dequantized (larger batches) */
+    int64_t dequant_cap;
 } Worker;
 
 struct Decoder {
@@ -75,6 +100,7 @@ struct Decoder {
     int num_threads;
     /* activations, [B, ...] each */
     float *resid, *normed, *qkv, *attn, *act, *out;
+    void *xq; /* the input rows of a quantized product as 8-bit blocks: [QUANT_DOT_MAX_BATCH, max K / 32] */
     Worker workers[MAX_THREADS];
     const Step *step;
 };
@@ -271,15 +297,150 @@ static void panel_pair(const float *W, int64_t pair, int64_t num_panels, const f
     tile_rows(w0, w1, 8, x, B, K, two ? 2 : 1, out);
 }
 
+/* ---- quantized weights ------------------------------------------------------------- */
+
+typedef struct { uint16_t d; uint8_t qs[QK / 2]; } BlockQ4_0;           /* w = d (q - 8) */
+typedef struct { uint16_t d, m; uint8_t qs[QK / 2]; } BlockQ4_1;        /* w = d q + m */
+typedef struct { uint16_t d; int8_t qs[QK]; } BlockQ8_0;                /* w = d q */
+typedef struct { float d, s; int8_t qs[QK]; } BlockQ8X;                 /* an input block: x = d q, s = d sum(q) */
+
+static inline int64_t block_bytes(int64_t type) {
+    return type == TYPE_Q4_0 ? sizeof(BlockQ4_0) : type == TYPE_Q4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ8_0);
+}
+
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+/* the 32 4-bit values of a block, in order: byte j holds value j (low nibble) and j + 16 (high) */
+static inline __m256i nibbles(const uint8_t *qs) {
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* sum of u[i] * s[i] (unsigned times signed bytes) in 8 float lanes */
+static inline __m256 dot_bytes(__m256i u, __m256i s) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* x[0..K) as 8-bit blocks, one scale per 32 values (round to nearest, as llama.cpp's Q8) */
+static void quantize_row(const float *x, int64_t K, BlockQ8X *out) {
+    for (int64_t i = 0; i < K / QK; i++) {
+        const float *v = x + i * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+        float d = amax / 127.0f, inv = d ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int q = (int)nearbyintf(v[j] * inv);
+            out[i].qs[j] = (int8_t)q;
+            sum += q;
+        }
+        out[i].d = d;
+        out[i].s = d * (float)sum;
+    }
+}
+
+/* one weight row of nb blocks . one quantized input row */
+static float dot_row(int64_t type, const uint8_t *row, const BlockQ8X *x, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float extra = 0.0f;
+    if (type == TYPE_Q4_1) {
+        const BlockQ4_1 *w = (const BlockQ4_1 *)row;
+        for (int64_t i = 0; i < nb; i++) {
+            __m256 p = dot_bytes(nibbles(w[i].qs), _mm256_loadu_si256((const __m256i *)x[i].qs));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w[i].d) * x[i].d), p, acc);
+            extra += half_to_float(w[i].m) * x[i].s;
+        }
+    } else if (type == TYPE_Q4_0) {
+        const BlockQ4_0 *w = (const BlockQ4_0 *)row;
+        for (int64_t i = 0; i < nb; i++) {
+            float dw = half_to_float(w[i].d);
+            __m256 p = dot_bytes(nibbles(w[i].qs), _mm256_loadu_si256((const __m256i *)x[i].qs));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[i].d), p, acc);
+            extra -= 8.0f * dw * x[i].s;
+        }
+    } else {
+        const BlockQ8_0 *w = (const BlockQ8_0 *)row;
+        for (int64_t i = 0; i < nb; i++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)w[i].qs);
+            __m256i xs = _mm256_loadu_si256((const __m256i *)x[i].qs);
+            __m256 p = dot_bytes(_mm256_abs_epi8(q), _mm256_sign_epi8(xs, q)); /* |w| times x with w's sign */
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(w[i].d) * x[i].d), p, acc);
+        }
+    }
+    return hsum(acc) + extra;
+}
+
+/* row[0..K) as floats at out[0], out[stride], out[2 stride], ... */
+static void dequantize_row(int64_t type, const uint8_t *row, int64_t K, float *out, int64_t stride) {
+    for (int64_t i = 0; i < K / QK; i++) {
+        float *o = out + i * QK * stride;
+        if (type == TYPE_Q8_0) {
+            const BlockQ8_0 *b = (const BlockQ8_0 *)row + i;
+            float d = half_to_float(b->d);
+            for (int j = 0; j < QK; j++) o[j * stride] = d * b->qs[j];
+        } else {
+            const BlockQ4_1 *b1 = (const BlockQ4_1 *)row + i;
+            const BlockQ4_0 *b0 = (const BlockQ4_0 *)row + i;
+            float d = half_to_float(type == TYPE_Q4_1 ? b1->d : b0->d);
+            float m = type == TYPE_Q4_1 ? half_to_float(b1->m) : -8.0f * d;
+            const uint8_t *qs = type == TYPE_Q4_1 ? b1->qs : b0->qs;
+            for (int j = 0; j < QK / 2; j++) {
+                o[j * stride] = d * (qs[j] & 0x0F) + m;
+                o[(j + QK / 2) * stride] = d * (qs[j] >> 4) + m;
+            }
+        }
+    }
+}
+
+/* Rows [16 pair, 16 pair + 16) of a quantized W (of N rows) times the B inputs: out[b][0..16).
+ * Small batches: integer dot products against the inputs' 8-bit blocks xq; larger ones: the
+ * rows dequantized into a [K, 16] float panel (the layout of two 8-row panels side by side). */
+static void quant_pair(Worker *w, const Mat *W, int64_t pair, int64_t N, const float *x, const BlockQ8X *xq, int64_t B,
+                       int64_t K, float (*out)[16]) {
+    int64_t rows = N - 16 * pair < 16 ? N - 16 * pair : 16, row_bytes = K / QK * block_bytes(W->type);
+    const uint8_t *first = W->blocks + 16 * pair * row_bytes;
+    if (B <= QUANT_DOT_MAX_BATCH) {
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t b = 0; b < B; b++) out[b][j] = dot_row(W->type, first + j * row_bytes, xq + b * (K / QK), K / QK);
+        return;
+    }
+    if (w->dequant_cap < 16 * K) {
+        free(w->dequant);
+        w->dequant_cap = 16 * K;
+        w->dequant = aligned_alloc(64, ((16 * K * sizeof(float) + 63) / 64) * 64);
+    }
+    float *panel = w->dequant;
+    for (int64_t j = 0; j < 16; j++) {
+        if (j < rows) dequantize_row(W->type, first + j * row_bytes, K, panel + j, 16);
+        else for (int64_t k = 0; k < K; k++) panel[16 * k + j] = 0.0f;
+    }
+    tile_rows(panel, panel + 8, 16, x, B, K, rows > 8 ? 2 : 1, out);
+}
+
+/* Before a quantized product of a small batch: every thread quantizes its share of the input
+ * rows x [B, K] into the decoder's xq, then all wait for the whole batch. */
+static const BlockQ8X *quantize_inputs(Worker *w, const Mat *W, const float *x, int64_t B, int64_t K) {
+    BlockQ8X *xq = w->dec->xq;
+    if (W->type == TYPE_F32_PANELS || B > QUANT_DOT_MAX_BATCH) return xq;
+    int64_t b0, b1;
+    share(w, B, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) quantize_row(x + b * K, K, xq + b * (K / QK));
+    barrier();
+    return xq;
+}
+
 /* y[b, n] = x_b . W[n] (+ bias[n]) for this thread's share of W's rows, 16 at a time; y has
  * row stride ldy, and only rows n < n_valid are stored (the LM head's last panel may be padding). */
-static void matvec(Worker *w, const float *W, const float *bias, const float *x, int64_t B, int64_t K,
+static void matvec(Worker *w, Mat W, const float *bias, const float *x, int64_t B, int64_t K,
                    int64_t N, int64_t n_valid, float *y, int64_t ldy) {
     int64_t panels = N / 8, q0, q1;
+    const BlockQ8X *xq = quantize_inputs(w, &W, x, B, K);
     share(w, (panels + 1) / 2, &q0, &q1);
     float (*out)[16] = w->tile_out;
     for (int64_t q = q0; q < q1; q++) {
-        panel_pair(W, q, panels, x, B, K, out);
+        if (W.type && (B <= QUANT_DOT_MAX_BATCH || !W.panels)) quant_pair(w, &W, q, n_valid, x, xq, B, K, out);
+        else panel_pair(W.panels, q, panels, x, B, K, out);
         int64_t rows = n_valid - 16 * q < 16 ? n_valid - 16 * q : 16;
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < rows; j++) y[b * ldy + 16 * q + j] = out[b][j] + (bias ? bias[16 * q + j] : 0.0f);
@@ -288,12 +449,14 @@ static void matvec(Worker *w, const float *W, const float *bias, const float *x,
 
 /* act[b, i] = silu(gate_i . x_b) * (up_i . x_b): the gate/up weight alternates 8-row panels,
  * so each panel pair is 8 gate rows and their 8 up rows. */
-static void gate_up_silu(Worker *w, const float *W, const float *x, int64_t B, int64_t K, int64_t I, float *act) {
+static void gate_up_silu(Worker *w, Mat W, const float *x, int64_t B, int64_t K, int64_t I, float *act) {
     int64_t q0, q1;
+    const BlockQ8X *xq = quantize_inputs(w, &W, x, B, K);
     share(w, I / 8, &q0, &q1);
     float (*out)[16] = w->tile_out;
     for (int64_t q = q0; q < q1; q++) {
-        panel_pair(W, q, 2 * (I / 8), x, B, K, out);
+        if (W.type && (B <= QUANT_DOT_MAX_BATCH || !W.panels)) quant_pair(w, &W, q, 2 * I, x, xq, B, K, out);
+        else panel_pair(W.panels, q, 2 * (I / 8), x, B, K, out);
         for (int64_t b = 0; b < B; b++) {
             _mm256_storeu_ps(act + b * I + q * 8, _mm256_mul_ps(silu8(_mm256_loadu_ps(out[b])), _mm256_loadu_ps(out[b] + 8)));
         }
@@ -452,6 +615,15 @@ static void attention(Worker *w, int64_t layer) {
 
 /* ---- the step ---------------------------------------------------------------------- */
 
+/* layer l's matrix i (qkv, o, gate_up, down); l = num_layers: the LM head */
+static Mat weight(const Model *m, int64_t l, int i) {
+    int64_t type = m->types ? m->types[4 * l + i] : TYPE_F32_PANELS;
+    if (l == m->num_layers) return (Mat){m->lm_head, m->lm_head_q, type};
+    const float **panels[4] = {m->qkv, m->o, m->gate_up, m->down};
+    const uint8_t **blocks[4] = {m->qkv_q, m->o_q, m->gate_up_q, m->down_q};
+    return (Mat){panels[i][l], type ? blocks[i][l] : NULL, type};
+}
+
 static void forward(Worker *w) {
     Decoder *dec = w->dec;
     const Model *m = &dec->m;
@@ -465,22 +637,22 @@ static void forward(Worker *w) {
     for (int64_t l = 0; l < m->num_layers; l++) {
         add_rms_norm(w, dec->resid, l ? dec->out : NULL, m->input_norm[l], dec->normed);
         barrier();
-        matvec(w, m->qkv[l], m->qkv_bias[l], dec->normed, B, H, qkv_rows, qkv_rows, dec->qkv, qkv_rows);
+        matvec(w, weight(m, l, 0), m->qkv_bias[l], dec->normed, B, H, qkv_rows, qkv_rows, dec->qkv, qkv_rows);
         barrier();
         attention(w, l);
         barrier();
-        matvec(w, m->o[l], NULL, dec->attn, B, attn_width, H, H, dec->out, H);
+        matvec(w, weight(m, l, 1), NULL, dec->attn, B, attn_width, H, H, dec->out, H);
         barrier();
         add_rms_norm(w, dec->resid, dec->out, m->post_norm[l], dec->normed);
         barrier();
-        gate_up_silu(w, m->gate_up[l], dec->normed, B, H, I, dec->act);
+        gate_up_silu(w, weight(m, l, 2), dec->normed, B, H, I, dec->act);
         barrier();
-        matvec(w, m->down[l], NULL, dec->act, B, I, H, H, dec->out, H);
+        matvec(w, weight(m, l, 3), NULL, dec->act, B, I, H, H, dec->out, H);
         barrier();
     }
     add_rms_norm(w, dec->resid, dec->out, m->final_norm, dec->normed);
     barrier();
-    matvec(w, m->lm_head, NULL, dec->normed, B, H, (m->vocab + 7) / 8 * 8, m->vocab, s->logits, m->vocab);
+    matvec(w, weight(m, m->num_layers, 0), NULL, dec->normed, B, H, (m->vocab + 7) / 8 * 8, m->vocab, s->logits, m->vocab);
     barrier();
 }
 
@@ -505,6 +677,9 @@ Decoder *shoal_decoder_new(const Model *m, int64_t num_threads) {
     d->qkv = alloc_floats(MAX_BATCH * qkv_rows);
     d->attn = alloc_floats(MAX_BATCH * m->num_heads * m->head_dim);
     d->act = alloc_floats(MAX_BATCH * m->intermediate);
+    int64_t max_k = H > m->intermediate ? H : m->intermediate;
+    max_k = max_k > m->num_heads * m->head_dim ? max_k : m->num_heads * m->head_dim;
+    d->xq = calloc(QUANT_DOT_MAX_BATCH * (max_k / QK + 1), sizeof(BlockQ8X));
     d->num_threads = (int)num_threads;
     for (int t = 0; t < MAX_THREADS; t++) d->workers[t].dec = d;
     return d;
@@ -522,6 +697,136 @@ int64_t shoal_decoder_step(Decoder *d, const Step *s) {
         forward(w);
     }
     return 0;
+}
+
+/* y [B, N] = x [B, K] times a quantized W [N, K] (rows of GGUF blocks of `type`), on one
+ * thread, through the step's own kernels: the tests check them against gguf.quants. */
+int64_t shoal_quantized_matmul(int64_t type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t B, float *y) {
+    if ((type != TYPE_Q4_0 && type != TYPE_Q4_1 && type != TYPE_Q8_0) || K % QK || B < 1 || B > MAX_BATCH) return -1;
+    Decoder *d = calloc(1, sizeof(Decoder));
+    Worker *w = &d->workers[0];
+    w->dec = d, w->tid = 0, w->num_threads = 1;
+    d->xq = calloc(QUANT_DOT_MAX_BATCH * (K / QK), sizeof(BlockQ8X));
+    matvec(w, (Mat){NULL, blocks, type}, NULL, x, B, K, (N + 7) / 8 * 8, N, y, N);
+    free(w->dequant), free(d->xq), free(d);
+    return 0;
+}
+
+/* ---- sampling: temperature and top-p without a sort --------------------------------- */
+
+/* the next uniform in (0, 1] after u: splitmix64 of its bits (a retry's draw, as fixed as u) */
+static double next_uniform(double u) {
+    uint64_t x;
+    memcpy(&x, &u, sizeof x);
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return ((double)(x >> 11) + 0.5) / 9007199254740992.0;
+}
+
+/* the first token whose running sum of e reaches r (the last with e > 0 if rounding never does) */
+static int64_t inverse_cdf(const float *e, int64_t V, double r) {
+    double cum = 0.0;
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) { /* skip whole groups of 8 */
+        double g = hsum(_mm256_loadu_ps(e + i));
+        if (cum + g >= r) break;
+        cum += g;
+    }
+    for (; i < V; i++) {
+        cum += e[i];
+        if (cum >= r && e[i] > 0) return i;
+    }
+    for (int64_t j = V - 1; j > 0; j--)
+        if (e[j] > 0) return j;
+    return 0;
+}
+
+/* the probability mass (unnormalized) of the tokens strictly more likely than e_t */
+static double mass_above(const float *e, int64_t V, float et) {
+    __m256 acc = _mm256_setzero_ps(), t = _mm256_set1_ps(et);
+    int64_t i = 0;
+    double sum = 0.0;
+    for (; i + 8 <= V; i += 8) {
+        __m256 v = _mm256_loadu_ps(e + i);
+        acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ), v));
+        if ((i & 1023) == 1016) sum += hsum(acc), acc = _mm256_setzero_ps(); /* float sums stay short */
+    }
+    sum += hsum(acc);
+    for (; i < V; i++) sum += e[i] > et ? e[i] : 0.0f;
+    return sum;
+}
+
+static int cmp_desc(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* One row: greedy (temperature 0), or a token of softmax(x / T) restricted to the top-p nucleus
+ * (the fewest most likely tokens whose mass reaches p, as a sort-and-cumsum would keep it).
+ * Sampled from the full distribution and kept when the token lies inside the nucleus (the
+ * mass strictly above it is below p), else drawn again: exactly the nucleus's distribution,
+ * at two or three passes over the row instead of a sort. After 16 misses (p tiny against a
+ * flat distribution) the row's nucleus threshold comes from a sort. */
+static int64_t sample_row(const float *x, int64_t V, float temperature, float top_p, double u, float *e, float *sorted) {
+    float mx = max_of(x, V);
+    if (temperature <= 0.0f) {
+        for (int64_t i = 0; i < V; i++)
+            if (x[i] == mx) return i;
+        return 0;
+    }
+    float inv = 1.0f / temperature;
+    int64_t i = 0;
+    __m256 vs = _mm256_setzero_ps(), vi = _mm256_set1_ps(inv), vm = _mm256_set1_ps(mx * inv);
+    double z = 0.0;
+    for (; i + 8 <= V; i += 8) {
+        __m256 v = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(x + i), vi, vm));
+        v = _mm256_and_ps(v, _mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(-INFINITY), _CMP_GT_OQ)); /* -inf: 0 */
+        _mm256_storeu_ps(e + i, v);
+        vs = _mm256_add_ps(vs, v);
+        if ((i & 1023) == 1016) z += hsum(vs), vs = _mm256_setzero_ps();
+    }
+    z += hsum(vs);
+    for (; i < V; i++) z += (e[i] = x[i] > -INFINITY ? expf(x[i] * inv - mx * inv) : 0.0f);
+    if (top_p >= 1.0f) return inverse_cdf(e, V, u * z);
+    double need = (double)top_p * z;
+    for (int attempt = 0; attempt < 16; attempt++) {
+        int64_t t = inverse_cdf(e, V, u * z);
+        if (mass_above(e, V, e[t]) < need) return t;
+        u = next_uniform(u);
+    }
+    if (!sorted) return inverse_cdf(e, V, u * z); /* no memory for the sort: the last draw's row */
+    memcpy(sorted, e, V * sizeof(float));
+    qsort(sorted, V, sizeof(float), cmp_desc);
+    double before = 0.0;
+    float threshold = sorted[0];
+    for (int64_t j = 0; j < V && before < need; j++) threshold = sorted[j], before += sorted[j];
+    double kept = 0.0;
+    for (int64_t j = 0; j < V; j++) {
+        if (e[j] < threshold) e[j] = 0.0f;
+        kept += e[j];
+    }
+    return inverse_cdf(e, V, u * kept);
+}
+
+/* tokens[s] for the S rows of logits [S, V] (each row's temperature, top_p; u in (0, 1]) */
+int64_t shoal_sample_top_p(const float *logits, int64_t S, int64_t V, const float *temperature, const float *top_p,
+                           const double *u, int64_t *tokens, int64_t num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads((int)num_threads)
+    {
+        float *e = aligned_alloc(64, ((V * sizeof(float) + 63) / 64) * 64), *sorted = NULL;
+        if (!e) failed = 1;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t s = 0; s < S; s++) {
+            if (!e) continue;
+            if (top_p[s] < 1.0f && temperature[s] > 0.0f && !sorted) sorted = malloc(V * sizeof(float));
+            tokens[s] = sample_row(logits + s * V, V, temperature[s], top_p[s], u[s], e, sorted);
+        }
+        free(e), free(sorted);
+    }
+    return failed ? -1 : 0;
 }
 
 /* out[t] = silu(x[t, :I]) * x[t, I:] for T rows of a fused gate/up projection, in one pass
@@ -686,7 +991,8 @@ int64_t shoal_prefill_attention(const Prefill *a, int64_t num_threads) {
 }
 
 void shoal_decoder_free(Decoder *d) {
-    for (int t = 0; t < MAX_THREADS; t++) free(d->workers[t].scores);
+    for (int t = 0; t < MAX_THREADS; t++) free(d->workers[t].scores), free(d->workers[t].dequant);
+    free(d->xq);
     free(d->resid); free(d->normed); free(d->out); free(d->qkv); free(d->attn); free(d->act);
     free(d);
 }

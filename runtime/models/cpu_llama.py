@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shoal.kernels import reference
@@ -31,11 +32,14 @@ from shoal.runtime.cpu_memory import huge_page_zeros
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_llama.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fopenmp"]
 AVX512_FLAGS = ["-mavx512f"]  # the wider matmul tile, where torch's own kernels use AVX-512 too
 P = ctypes.POINTER
 F32P = P(ctypes.c_float)
 I64 = ctypes.c_int64
+U8P = P(ctypes.c_uint8)
+# GGUF block types the C step reads as they are (ggml's numbers) -> bytes per block of 32 weights
+QUANT_TYPES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
 
 
 class _Model(ctypes.Structure):
@@ -43,7 +47,8 @@ class _Model(ctypes.Structure):
                                    "block_size", "num_blocks", "max_positions")] + [
         ("eps", ctypes.c_double), ("scale", ctypes.c_double),
         ("embed", F32P), ("final_norm", F32P), ("lm_head", F32P), ("cos_sin", F32P),
-    ] + [(n, P(F32P)) for n in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")]
+    ] + [(n, P(F32P)) for n in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")] + [
+        (n, P(U8P)) for n in ("qkv_q", "o_q", "gate_up_q", "down_q")] + [("lm_head_q", U8P), ("types", P(I64))]
 
 
 class _Step(ctypes.Structure):
@@ -109,6 +114,10 @@ def load_library() -> ctypes.CDLL:
         lib.shoal_decoder_free.argtypes = [ctypes.c_void_p]
         lib.shoal_max_batch.restype = I64
         lib.shoal_silu_and_mul.argtypes = [F32P, F32P, I64, I64, I64]
+        lib.shoal_quantized_matmul.restype = I64
+        lib.shoal_quantized_matmul.argtypes = [I64, U8P, I64, I64, F32P, I64, F32P]
+        lib.shoal_sample_top_p.restype = I64
+        lib.shoal_sample_top_p.argtypes = [F32P, I64, I64, F32P, F32P, P(ctypes.c_double), P(I64), I64]
         lib.shoal_prefill_attention.restype = I64
         lib.shoal_prefill_attention.argtypes = [P(_Prefill), I64]
         _LIB = lib
@@ -140,11 +149,12 @@ def pack_gate_up(weight: torch.Tensor, intermediate: int) -> torch.Tensor:
 class Arena:
     """One buffer for all packed weights, backed by transparent huge pages where the kernel
     allows (madvise): the hardware prefetchers stop at every 4 KiB page boundary, and a
-    decode step streams every weight once."""
+    decode step streams every weight once. All tensors of one dtype."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
-        sizes = [-(-t.numel() // 16) * 16 for t in tensors]  # 64-byte aligned slices
-        self.buffer = huge_page_zeros(sum(sizes), torch.float32)
+    def __init__(self, tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+        align = 64 // dtype.itemsize
+        sizes = [-(-t.numel() // align) * align for t in tensors]  # 64-byte aligned slices
+        self.buffer = huge_page_zeros(max(1, sum(sizes)), dtype)
         self.views, offset = [], 0
         for t, size in zip(tensors, sizes):
             view = self.buffer[offset : offset + t.numel()].view(t.shape)
@@ -154,11 +164,68 @@ class Arena:
 
 
 def _ptr(t: torch.Tensor | None):
-    return ctypes.cast(t.data_ptr(), F32P) if t is not None else None
+    return ctypes.cast(t.data_ptr(), F32P) if t is not None and t.numel() else None
 
 
 def _i64(t: torch.Tensor):
     return ctypes.cast(t.data_ptr(), P(I64))
+
+
+def sample_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
+                 num_threads: int | None = None) -> torch.Tensor:
+    """[S] tokens from logits [S, V] float32: argmax where temperature is 0, else a draw of
+    softmax(logits / temperature) within each row's top-p nucleus (top_p 1: all), u [S] float64
+    in (0, 1] each row's uniform; exactly the distribution that sorting and cumsum give
+    (layers/sampler.py), in a few passes over each row (cpu_llama.c, sample_row)."""
+    lib = load_library()
+    logits = logits.float().contiguous()
+    S, V = logits.shape
+    temperature, top_p = temperature.float().contiguous(), top_p.float().contiguous()
+    u = u.double().contiguous()
+    tokens = torch.empty(S, dtype=torch.int64)
+    if lib.shoal_sample_top_p(_ptr(logits), S, V, _ptr(temperature), _ptr(top_p), ctypes.cast(u.data_ptr(), P(ctypes.c_double)),
+                              _i64(tokens), num_threads or torch.get_num_threads()):
+        raise MemoryError("sample_top_p: out of memory for its scratch")
+    return tokens
+
+
+def quantized_matmul(qtype: int, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [B, K] float32 times the quantized rows [N, bytes a row] of GGUF type `qtype`, transposed:
+    [B, N], by the decode step's kernels (batches up to 4 in 8-bit integer dot products)."""
+    lib = load_library()
+    rows, x = rows.contiguous(), x.float().contiguous()
+    y = torch.empty(x.shape[0], rows.shape[0], dtype=torch.float32)
+    K = rows.shape[1] // QUANT_TYPES[qtype] * 32
+    if lib.shoal_quantized_matmul(qtype, ctypes.cast(rows.data_ptr(), U8P), rows.shape[0], K, _ptr(x), x.shape[0], _ptr(y)):
+        raise ValueError("shoal_quantized_matmul: bad arguments")
+    return y
+
+
+def quantized_matrices(blocks: dict, model) -> list[tuple[int, torch.Tensor] | None]:
+    """Per layer qkv, o, gate_up, down, then the LM head: (GGUF type, uint8 rows [N, row bytes])
+    in the row order of the C step's panels, from `blocks` ({HF weight name: (type, rows)},
+    gguf_convert.quantized_weights), or None where a matrix stays float (a type the C step does
+    not read, parts of mixed types, a name missing)."""
+    def get(*names):
+        parts = [blocks.get(n) for n in names]
+        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1 or parts[0][0] not in QUANT_TYPES:
+            return None
+        return parts[0][0], torch.from_numpy(np.concatenate([p[1] for p in parts]))  # a writable copy
+
+    out = []
+    for i in range(len(model.layers)):
+        pre = f"model.layers.{i}."
+        gate_up = get(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight")
+        if gate_up is not None:  # 8 gate rows, their 8 up rows, ... as pack_gate_up
+            rows = gate_up[1]
+            half = rows.shape[0] // 2
+            gate_up = gate_up[0], torch.stack((rows[:half].view(-1, 8, rows.shape[1]), rows[half:].view(-1, 8, rows.shape[1])),
+                                              dim=1).reshape(rows.shape)
+        out += [get(*(pre + f"self_attn.{n}_proj.weight" for n in "qkv")), get(pre + "self_attn.o_proj.weight"),
+                gate_up, get(pre + "mlp.down_proj.weight")]
+    out.append(get("lm_head.weight") or get("model.embed_tokens.weight") if model.cfg.tie_word_embeddings
+               else get("lm_head.weight"))
+    return out
 
 
 def unsupported_reason(model) -> str | None:
@@ -181,7 +248,7 @@ class CpuDecoder:
     """One model's decoder: its packed weights and the C handle (steps run on the caller's
     OpenMP team, torch's own)."""
 
-    def __init__(self, model, num_threads: int):
+    def __init__(self, model, num_threads: int, quantized: dict | None = None, float_panels: bool = True):
         self.lib = load_library()
         self.max_batch = int(self.lib.shoal_max_batch())
         cfg = model.cfg
@@ -195,14 +262,21 @@ class CpuDecoder:
 
         I = cfg.intermediate_size
         attn = [layer.self_attn for layer in layers]
-        packed = []  # in the order a step reads them
-        for a, l in zip(attn, layers):
-            packed += [pack_panels(plain(a.qkv_proj)), pack_panels(plain(a.o_proj)),
-                       pack_gate_up(plain(l.mlp.gate_up_proj), I), pack_panels(plain(l.mlp.down_proj))]
-        packed.append(pack_panels(model.lm_head.weight.data[: cfg.vocab_size].float()))
+        quant = quantized_matrices(quantized, model) if quantized else [None] * (4 * len(layers) + 1)
+        self.quantized_types = [q[0] if q else 0 for q in quant]
+        packed = []  # in the order a step reads them; an empty panel where the blocks are read instead
+        for i, (a, l) in enumerate(zip(attn, layers)):
+            makers = [lambda: pack_panels(plain(a.qkv_proj)), lambda: pack_panels(plain(a.o_proj)),
+                      lambda: pack_gate_up(plain(l.mlp.gate_up_proj), I), lambda: pack_panels(plain(l.mlp.down_proj))]
+            packed += [torch.empty(0) if quant[4 * i + j] and not float_panels else make() for j, make in enumerate(makers)]
+        packed.append(torch.empty(0) if quant[-1] and not float_panels
+                      else pack_panels(model.lm_head.weight.data[: cfg.vocab_size].float()))
         self.arena = Arena(packed)
+        self.block_arena = Arena([q[1] if q else torch.empty(0, dtype=torch.uint8) for q in quant], torch.uint8)
         del packed
-        panels = self.arena.views
+        panels, blocks = self.arena.views, self.block_arena.views
+        u8 = lambda t: ctypes.cast(t.data_ptr(), U8P) if t.numel() else None  # noqa: E731
+        types = self._hold(torch.tensor(self.quantized_types, dtype=torch.int64))
         embed = hold(model.embed_tokens.weight.data[: cfg.vocab_size].contiguous())
         cos_sin = hold(model.cos_sin.float().contiguous())
         self._model = _Model(
@@ -218,6 +292,10 @@ class CpuDecoder:
             o=table(panels[1:-1:4]),
             gate_up=table(panels[2:-1:4]),
             down=table(panels[3:-1:4]),
+            qkv_q=self._bytes_table([u8(t) for t in blocks[0:-1:4]]), o_q=self._bytes_table([u8(t) for t in blocks[1:-1:4]]),
+            gate_up_q=self._bytes_table([u8(t) for t in blocks[2:-1:4]]),
+            down_q=self._bytes_table([u8(t) for t in blocks[3:-1:4]]),
+            lm_head_q=u8(blocks[-1]), types=_i64(types),
         )
         self.num_threads = num_threads
         self.handle = None
@@ -230,6 +308,10 @@ class CpuDecoder:
         """A C array of pointers to the tensors (None: NULL), kept alive with the decoder."""
         arr = self._hold((F32P * len(tensors))(*[_ptr(t) for t in tensors]))
         return ctypes.cast(arr, P(F32P))
+
+    def _bytes_table(self, pointers):
+        arr = self._hold((U8P * len(pointers))(*pointers))
+        return ctypes.cast(arr, P(U8P))
 
     def attach(self, kv_caches) -> None:
         """Point the decoder at the KV cache (per layer, [2, num_blocks, block_size, kvh, d] views
@@ -246,13 +328,16 @@ class CpuDecoder:
             raise RuntimeError(f"cpu decoder: bad thread count {self.num_threads}")
 
     @classmethod
-    def create(cls, model, num_threads: int | None = None) -> "CpuDecoder | None":
+    def create(cls, model, num_threads: int | None = None, quantized: dict | None = None,
+               float_panels: bool = True) -> "CpuDecoder | None":
         """The decoder for this model (whose linear weights are still plain), or None (logged)
-        where it cannot run."""
+        where it cannot run. `quantized`: GGUF blocks that small batches read instead of float
+        weights ({HF weight name: (type, rows)}, gguf_convert.quantized_weights); larger
+        batches run on float panels (`float_panels`) or on panels dequantized as they go."""
         reason = unsupported_reason(model)
         if reason is None:
             try:
-                return cls(model, num_threads or torch.get_num_threads())
+                return cls(model, num_threads or torch.get_num_threads(), quantized, float_panels)
             except (RuntimeError, OSError) as e:
                 reason = str(e)
         log.info("C decode step not used: %s", reason)

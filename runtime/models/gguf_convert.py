@@ -192,6 +192,45 @@ def _convert_into(gguf_path: Path, out: Path, source: dict, *, progress: bool, m
                                  "converter_pid": os.getpid()})
 
 
+def gguf_source(model_dir: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted directory came from (its manifest), or None (not a conversion,
+    or the file is gone or changed since)."""
+    try:
+        manifest = json.loads((Path(model_dir) / MANIFEST).read_text())
+        path = Path(manifest["source"])
+        return path if _is_current(Path(model_dir), _source_identity(path)) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def quantized_weights(gguf_path: str | os.PathLike) -> dict[str, tuple[int, np.ndarray]]:
+    """{HF weight name: (ggml type number, uint8 rows [N, bytes a row])} of every quantized 2-D
+    tensor, the blocks as the file stores them (memory-mapped, read-only), with the rows of
+    attn_q / attn_k put back in HF's order as the conversion does for the float weights."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = _Metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        return {}
+    permute_qk = _ARCHS[arch][2]
+    n_head, n_kv = meta.get(f"{arch}.attention.head_count"), meta.get(f"{arch}.attention.head_count_kv")
+    n_kv = n_kv or n_head
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                             gguf.GGMLQuantizationType.BF16) or t.data.ndim != 2 or t.name in _SKIPPED_TENSORS:
+            continue
+        rows = t.data
+        if permute_qk and ".attn_q." in t.name:
+            rows = _unpermute(rows, n_head)
+        elif permute_qk and ".attn_k." in t.name:
+            rows = _unpermute(rows, n_kv)
+        out[_hf_name(t.name)] = (int(t.tensor_type), rows)
+    return out
+
+
 def _hf_name(gguf_name: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]

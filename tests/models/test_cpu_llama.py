@@ -163,3 +163,145 @@ def test_engine_decodes_in_c_and_matches_transformers(llm, hf_model, tokenizer):
     assert calls and max(calls) == 3
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+# ---- quantized weights: GGUF blocks read as stored, against gguf.quants ---------------------
+
+QUANT = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def _activation_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[B, N] bound on |x w^T - x' w^T| where x' is x rounded to 8-bit blocks of 32 (scale
+    max|x| / 127 a block, so each value moves by at most half a step)."""
+    step = x.view(x.shape[0], -1, 32).abs().amax(-1) / 127
+    half = step.repeat_interleave(32, dim=1) / 2
+    return half @ w.abs().T * 1.001 + 1e-5
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT))
+@pytest.mark.parametrize("batch", [1, 3, 5, 17])
+def test_quantized_products_match_gguf_dequantized(qtype, batch):
+    """The decode step's kernels on GGUF blocks against gguf.quants' own dequantization: batches
+    above 4 run the float tiles on dequantized panels (float32 sums); small batches take 8-bit
+    dot products, off by no more than rounding the inputs to 8-bit blocks allows."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    from shoal.runtime.models.cpu_llama import quantized_matmul
+
+    t = GGMLQuantizationType[qtype]
+    gen = torch.Generator().manual_seed(batch)
+    w = torch.randn(40, 96, generator=gen)
+    blocks = gguf.quants.quantize(w.numpy(), t)
+    w_ref = torch.from_numpy(gguf.quants.dequantize(blocks, t).copy())
+    x = torch.randn(batch, 96, generator=gen)
+    got = quantized_matmul(QUANT[qtype], torch.from_numpy(blocks.copy()), x)
+    expected = x.double() @ w_ref.double().T
+    if batch > 4:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    else:
+        err = (got.double() - expected).abs()
+        assert bool((err <= _activation_bound(x, w_ref).double()).all()), float(err.max())
+        assert float(err.max()) > 0  # the 8-bit path did run
+
+
+def _quantize_model(model_dir, types: dict[str, str]):
+    """The tiny model's linear weights (and LM head) as GGUF blocks of the given types, and the
+    torch model loaded with exactly the weights those blocks hold."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    blocks, weights = {}, []
+    for name, tensor in iter_weights(model_dir):
+        kind = next((k for k in types if name.endswith(k + ".weight")), None)
+        if kind is not None:
+            t = GGMLQuantizationType[types[kind]]
+            rows = gguf.quants.quantize(tensor.float().numpy(), t)
+            blocks[name] = (int(t), rows)
+            tensor = torch.from_numpy(gguf.quants.dequantize(rows, t).copy())
+        weights.append((name, tensor))
+    model = LlamaForCausalLM(load_config(model_dir), max_positions=512)
+    model.load_weights(iter(weights))
+    return model.eval(), blocks
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tmp_path_factory, builtin_dir):
+    path = make_tiny_model(tmp_path_factory.mktemp("quant"), builtin_dir, hidden_size=64, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=96, num_hidden_layers=2, initializer_range=0.05)
+    types = {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q4_1",
+             "up_proj": "Q4_1", "down_proj": "Q4_0", "lm_head": "Q8_0"}
+    return _quantize_model(path, types)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("float_panels", [True, False])
+def test_decoder_on_quantized_blocks_matches_the_dequantized_model(quantized_tiny, batch, threads, float_panels):
+    """A decode step reading Q8_0/Q4_0/Q4_1 blocks against the torch model holding the same
+    weights dequantized by gguf.quants: the same logits for a batch of 8 (float tiles, on float
+    panels or on panels dequantized as they go), and log-probabilities within 0.05 of them where
+    the inputs are rounded to 8 bits (batches <= 4)."""
+    model, blocks = quantized_tiny
+    decoder = CpuDecoder.create(model, num_threads=threads, quantized=blocks, float_panels=float_panels)
+    assert decoder.quantized_types == [8, 2, 3, 2] * 2 + [8]
+    ours, theirs = new_caches(model, 16), new_caches(model, 16)
+    decoder.attach(ours)
+    tables = torch.randperm(NUM_BLOCKS)[: batch * 4].view(batch, 4)
+    ctx = torch.randint(1, 60, (batch,))
+    for _ in range(3):
+        pos = ctx - 1
+        slots = tables.gather(1, (pos // 16)[:, None])[:, 0] * 16 + pos % 16
+        ids = torch.randint(0, model.cfg.vocab_size, (batch,))
+        expected = torch_step(model, theirs, ids, pos, slots, tables, ctx)
+        got = decoder.step(ids, pos, slots, tables, ctx)
+        if batch > 4:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-5 * float(expected.abs().max()))
+        else:
+            diff = (got.log_softmax(-1) - expected.log_softmax(-1)).abs()
+            top = expected.topk(20, dim=-1).indices  # where the probability is
+            assert 0 < float(diff.gather(1, top).max()) < 0.05
+        for a, b in zip(ours, theirs):
+            if batch > 4:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            b.copy_(a)  # the next step starts from identical caches
+        ctx = ctx + 1
+
+
+def test_engine_serves_the_builtin_model_from_its_q4_1_blocks(builtin_dir, tokenizer):
+    """--quantization gguf: the built-in model's C step reads its Q4_1 blocks (Q8_0 LM head);
+    greedy tokens against the float32 path, and each chosen token's log-probability."""
+    from shoal.runtime.models.gguf_convert import gguf_source
+
+    assert gguf_source(builtin_dir) is not None
+    prompts = [tokenizer(t).input_ids for t in ("Once upon a time", "The capital of France is", "def fib(n):")]
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=0)
+    runs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM("builtin://smollm2-135m-instruct", quantization=quantization, kv_cache_memory=2**26)
+        decoder = llm.engine.executor.cpu_decoder
+        assert decoder is not None and set(decoder.quantized_types) == ({3, 8} if quantization else {0})
+        runs[quantization] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        llm.engine.shutdown()
+    diffs = []
+    for fp32, quant in zip(runs[None], runs["gguf"]):
+        same = 0
+        for a, b, la, lb in zip(fp32.token_ids, quant.token_ids, fp32.logprobs, quant.logprobs):
+            if a != b:
+                break
+            same += 1
+            diffs.append(abs(la[a] - lb[b]))
+        assert same >= 4, (fp32.token_ids, quant.token_ids)
+    # the same weights; 8-bit inputs to each product move a chosen token's log-probability
+    # by ~0.03 on average (measured 0.03 mean, 0.27 max over 213 tokens)
+    assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.6, diffs
+
+
+def test_quantization_needs_a_gguf_model(tmp_path, builtin_dir):
+    from shoal.runtime.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="awq")
+    path = make_tiny_model(tmp_path / "hf", builtin_dir)
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        LLM(str(path), quantization="gguf", kv_cache_memory=2**24)

@@ -34,7 +34,7 @@ RUNTIME_COUNTERS = {
 }
 RUNTIME_GAUGES = {
     "shoal_num_requests_running", "shoal_num_requests_waiting", "shoal_kv_cache_usage_perc",
-    "shoal_startup_phase_seconds",
+    "shoal_startup_phase_seconds", "shoal_cpu_threads",
 }
 RUNTIME_HISTOGRAMS = {
     "shoal_time_to_first_token_seconds", "shoal_inter_token_latency_seconds",

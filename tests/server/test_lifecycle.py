@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from server_helpers import metric, start_server
+from shoal.runtime import cpu_threads
 
 MODEL = "smollm2-135m-instruct"
 KEY = "sk-test-not-a-real-secret-0123456789"
@@ -36,6 +37,9 @@ def test_startup_phases_logged_and_exported(server):
         assert value is not None and value > 0, phase
         assert f"startup phase {phase}" in server.log()
     assert metric(server.base_url, "shoal_ready", model_name=MODEL) == 1
+    # threads from the CPUs the process may use (affinity, cgroup quota), logged and exported
+    assert metric(server.base_url, "shoal_cpu_threads", model_name=MODEL) == cpu_threads.num_threads()
+    assert f"CPU threads: {cpu_threads.num_threads()} (affinity" in server.log()
 
 
 def test_api_key(guarded):
