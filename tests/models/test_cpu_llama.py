@@ -220,7 +220,7 @@ def _quantize_model(model_dir, types: dict[str, str]):
             blocks[name] = (int(t), rows)
             tensor = torch.from_numpy(gguf.quants.dequantize(rows, t).copy())
         weights.append((name, tensor))
-    model = LlamaForCausalLM(load_config(model_dir), max_positions=512)
+    model = DecoderForCausalLM(load_config(model_dir), max_positions=512)
     model.load_weights(iter(weights))
     return model.eval(), blocks
 
