@@ -3,7 +3,7 @@
     ops = get_ops("auto", device)    # "torch" | "triton" | "auto"
     ops.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
-Both backends expose the same six functions with the same signatures and return values
+Both backends expose the same seven functions with the same signatures and return values
 (see reference.py for shapes and the cache layout). Importing this package never imports
 triton: a CPU server never needs it.
 """
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-OPS = ("write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rotary_embedding", "silu_and_mul")
+OPS = ("write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe")
 BACKENDS = ("torch", "triton", "auto")
 
 __all__ = ["OPS", "BACKENDS", "get_ops", "triton_available"]
@@ -34,7 +34,7 @@ def _interpreting() -> bool:
 
 
 def get_ops(backend: str, device) -> SimpleNamespace:
-    """The six kernel functions for `device`, as a namespace with a `.backend` name.
+    """The seven kernel functions for `device`, as a namespace with a `.backend` name.
 
     "torch": the references (any device). "triton": the Triton kernels; on a CUDA device, or on
     CPU tensors when TRITON_INTERPRET=1 was set before this first loads them (tests, debugging).
@@ -56,7 +56,7 @@ def get_ops(backend: str, device) -> SimpleNamespace:
             f"kernel backend 'triton' on a {device.type} device runs only in Triton's interpreter: "
             "set TRITON_INTERPRET=1 in the environment before starting, or use backend 'torch'"
         )
-    from shoal.kernels import activation, cache_write, norm, paged_attention, rotary
+    from shoal.kernels import activation, cache_write, fused_moe, norm, paged_attention, rotary
 
     return SimpleNamespace(
         backend="triton",
@@ -66,4 +66,5 @@ def get_ops(backend: str, device) -> SimpleNamespace:
         rms_norm=norm.rms_norm,
         rotary_embedding=rotary.rotary_embedding,
         silu_and_mul=activation.silu_and_mul,
+        fused_moe=fused_moe.fused_moe,
     )

@@ -69,7 +69,7 @@ def compile_instead_of_launch(arch: int, results: list):
 
 def drive(dtypes, shapes=((32, 8, 128, 16), (12, 4, 80, 32), (8, 8, 96, 16), (8, 1, 64, 32)), hidden=(576, 4096)):
     """Call every wrapper once per configuration, with CPU tensors (never launched)."""
-    from shoal.kernels import activation, cache_write, norm, paged_attention, rotary
+    from shoal.kernels import activation, cache_write, fused_moe, norm, paged_attention, rotary
 
     for dt in dtypes:
         for h, kvh, d, bs in shapes:
@@ -87,6 +87,9 @@ def drive(dtypes, shapes=((32, 8, 128, 16), (12, 4, 80, 32), (8, 8, 96, 16), (8,
             norm.rms_norm(x, torch.zeros(H, dtype=dt), 1e-6)
             norm.rms_norm(x, torch.zeros(H, dtype=dt), 1e-6, x)
             activation.silu_and_mul(x)
+            E, I = 4, 128  # both grouped GEMMs of the experts (routing is torch, run for real)
+            ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3]])
+            fused_moe.fused_moe(x, torch.zeros(E, 2 * I, H, dtype=dt), torch.zeros(E, H, I, dtype=dt), torch.ones(4, 2), ids)
 
 
 def main(argv: list[str] | None = None) -> int:
