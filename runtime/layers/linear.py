@@ -109,9 +109,12 @@ class QKVLinear(MergedColumnLinear):
 
 
 class RowLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE):
+    """reduce=False leaves the partial sum to the caller (a block that adds several and reduces once)."""
+
+    def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, reduce: bool = True):
         super().__init__()
         self.state = state
+        self.reduce = reduce
         self.start, end = shard_range(input_size, state)
         self.weight = _param(output_size, end - self.start)
 
@@ -121,7 +124,8 @@ class RowLinear(nn.Module):
     packed = None
 
     def forward(self, x):
-        return tp_all_reduce(_linear(self, x), self.state)
+        out = _linear(self, x)
+        return tp_all_reduce(out, self.state) if self.reduce else out
 
 
 class VocabEmbedding(nn.Module):
