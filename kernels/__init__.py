@@ -3,7 +3,7 @@
     ops = get_ops("auto", device)    # "torch" | "triton" | "auto"
     ops.paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
 
-Both backends expose the same seven functions with the same signatures and return values
+Both backends expose the same functions (OPS) with the same signatures and return values
 (see reference.py for shapes and the cache layout). Importing this package never imports
 triton: a CPU server never needs it.
 """
@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
-OPS = ("write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rotary_embedding", "silu_and_mul", "fused_moe")
+OPS = ("write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rotary_embedding", "silu_and_mul",
+       "gelu_tanh_and_mul", "fused_moe")
 BACKENDS = ("torch", "triton", "auto")
 
 __all__ = ["OPS", "BACKENDS", "get_ops", "triton_available"]
@@ -34,7 +35,7 @@ def _interpreting() -> bool:
 
 
 def get_ops(backend: str, device) -> SimpleNamespace:
-    """The seven kernel functions for `device`, as a namespace with a `.backend` name.
+    """The kernel functions (OPS) for `device`, as a namespace with a `.backend` name.
 
     "torch": the references (any device). "triton": the Triton kernels; on a CUDA device, or on
     CPU tensors when TRITON_INTERPRET=1 was set before this first loads them (tests, debugging).
@@ -66,5 +67,6 @@ def get_ops(backend: str, device) -> SimpleNamespace:
         rms_norm=norm.rms_norm,
         rotary_embedding=rotary.rotary_embedding,
         silu_and_mul=activation.silu_and_mul,
+        gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
         fused_moe=fused_moe.fused_moe,
     )

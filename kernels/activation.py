@@ -1,4 +1,5 @@
-"""SiLU-and-mul (SwiGLU) of a fused gate/up projection."""
+"""Gated activations of a fused gate/up projection: SiLU-and-mul (SwiGLU) and GeLU(tanh)-and-mul
+(GeGLU, Gemma's MLP)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from shoal.kernels._common import cdiv
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, I, BLOCK: tl.constexpr):
+def _gated_kernel(x_ptr, out_ptr, s_x, s_o, I, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     gate = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * s_x + I + offs, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    if GELU:  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+        y = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
+    else:
+        y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * s_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -25,8 +29,13 @@ def silu_and_mul(x):
     return launch(x)
 
 
-def launch(x, *, block=1024):
-    """silu_and_mul with its tile width exposed (tests shrink it to cover several tiles)."""
+def gelu_tanh_and_mul(x):
+    """GeGLU (Gemma's MLP): x [T, 2I] -> gelu_tanh(gate) * up [T, I]."""
+    return launch(x, gelu=True)
+
+
+def launch(x, *, block=1024, gelu=False):
+    """The gated activation with its tile width exposed (tests shrink it to cover several tiles)."""
     I = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * I)
     if x2.stride(-1) != 1:
@@ -34,5 +43,5 @@ def launch(x, *, block=1024):
     out = _common.empty((*x.shape[:-1], I), x.dtype, x.device)
     out2 = out.view(-1, I)
     if x2.shape[0] and I:
-        _silu_and_mul_kernel[(x2.shape[0], cdiv(I, block))](x2, out2, x2.stride(0), out2.stride(0), I, BLOCK=block)
+        _gated_kernel[(x2.shape[0], cdiv(I, block))](x2, out2, x2.stride(0), out2.stride(0), I, BLOCK=block, GELU=gelu)
     return out

@@ -44,7 +44,8 @@ def _dot_type(dtype):
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with SOFTCAP, the softmax scale alone
+    softcap, window,  # softcap: Gemma 2's cap (SOFTCAP); window: 0 or the sliding window
     s_qb, s_qh, s_qd,
     s_kn, s_kb, s_kh, s_kd,
     s_vn, s_vb, s_vh, s_vd,
@@ -53,7 +54,7 @@ def _decode_kernel(
     NUM_SPLITS, SPLIT_SIZE,  # runtime values: a growing block table must not trigger a recompile
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_TY: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_TY: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -63,6 +64,10 @@ def _decode_kernel(
     if start >= ctx:  # this split lies past the sequence; the reduce pass skips it
         return
     end = tl.minimum(start + SPLIT_SIZE, ctx)
+    lowest = 0  # the first key the query sees
+    if window > 0:
+        lowest = tl.maximum(ctx - window, 0)
+    first = tl.maximum(start, (lowest // BLOCK_N) * BLOCK_N)  # whole tiles: the mask trims the first
 
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
@@ -78,9 +83,9 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     bt_row = bt_ptr + b * s_btb
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        n_mask = (offs_n < end) & (offs_n >= lowest)
         blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * s_btn, mask=n_mask, other=0).to(tl.int64)
         slot_off = (offs_n % BLOCK_SIZE).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -89,6 +94,8 @@ def _decode_kernel(
             mask=kv_mask, other=0.0,
         ).to(DOT_TY)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1; then base 2
+            qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0) * 1.4426950408889634
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -102,6 +109,10 @@ def _decode_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
+    if window > 0:  # a split wholly before the window saw nothing: weight 0 in the reduce
+        acc = tl.where(l_i[:, None] > 0, acc, 0.0)
+        m_i = tl.where(l_i > 0, m_i, float("-inf"))
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     if DIRECT:
         o = acc / l_i[:, None]
         tl.store(out_ptr + b * s_ob + head[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -132,7 +143,7 @@ def _decode_reduce_kernel(
     row = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
     lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
-    w = tl.where(s_mask, w, 0.0)
+    w = tl.where(s_mask & (lse > float("-inf")), w, 0.0)
     o = tl.load(mid_o_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d * s_od, o.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -156,7 +167,8 @@ def decode_split_size(B: int, kvh: int, max_len: int, block_n: int, device) -> i
     return cdiv(cdiv(max_len, splits), block_n) * block_n
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, split_size=None, block_n=None, num_warps=4):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, *, split_size=None, block_n=None,
+           num_warps=4):
     """paged_attention_decode with its tuning knobs exposed (tests force split-K with them)."""
     B, h, d = q.shape
     if block_n is None:
@@ -181,12 +193,13 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, split_size
         mid_lse = torch.empty((B, h, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
-        scale * LOG2E,
+        scale if softcap else scale * LOG2E, float(softcap), int(window),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         num_splits, split_size,
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n,
-        DIRECT=direct, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype), num_warps=num_warps,
+        DIRECT=direct, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype), SOFTCAP=bool(softcap),
+        num_warps=num_warps,
     )
     if not direct:
         _decode_reduce_kernel[(B, h)](
@@ -196,9 +209,10 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, split_size
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
+                           softcap: float = 0.0):
     """One query token per sequence: q [B, h, d] -> [B, h, d]."""
-    return decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return decode(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap)
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,7 +222,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_ptr, out_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, softcap, window,
     s_qt, s_qh, s_qd,
     s_kn, s_kb, s_kh, s_kd,
     s_vn, s_vb, s_vh, s_vd,
@@ -216,6 +230,7 @@ def _prefill_kernel(
     s_ot, s_oh, s_od,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_TY: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -256,8 +271,11 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kv_end = tl.minimum(ctx, prefix + (q_tile + 1) * BLOCK_Q)  # the last query of the tile sees this far
+    kv_start = 0
+    if window > 0:  # the tile's first query sees nothing before this (whole tiles; the mask trims)
+        kv_start = (tl.maximum(prefix + q_tile * BLOCK_Q - window + 1, 0) // BLOCK_N) * BLOCK_N
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * s_btn, mask=n_mask, other=0).to(tl.int64)
@@ -268,7 +286,11 @@ def _prefill_kernel(
             mask=kv_mask, other=0.0,
         ).to(DOT_TY)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0) * 1.4426950408889634
         visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+        if window > 0:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -287,7 +309,7 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, *,
+def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0, *,
             block_m=None, block_n=None, num_warps=4):
     """paged_attention_prefill with its tile sizes exposed (tests shrink them to cover tiling)."""
     Tq, h, d = q.shape
@@ -308,19 +330,21 @@ def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sc
     grid = (Tq // block_q + B, kvh)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        scale * LOG2E, B,
+        scale if softcap else scale * LOG2E, B, float(softcap), int(window),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         G=g, G_PAD=g_pad, HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_SIZE=bs,
-        BLOCK_Q=block_q, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype), num_warps=num_warps,
+        BLOCK_Q=block_q, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype),
+        SOFTCAP=bool(softcap), num_warps=num_warps,
     )
     return out
 
 
-def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
+                            window: int = 0, softcap: float = 0.0):
     """A ragged batch of new tokens, causal over each sequence's cached prefix + new tokens.
 
     q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
     they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
     """
-    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap)
 

@@ -8,6 +8,8 @@ Shapes (T new tokens in a step, B sequences, h query heads, kvh KV heads, d head
   block_tables       [B, max_blocks] int64, padded with any valid block id (masked by lengths)
   context_lens       [B] int64: tokens in the cache for each sequence, new ones included
   slot_mapping       [T] int64: block_id * block_size + offset of each new token
+  window             0, or a sliding window: a query at position p sees keys p - window < k <= p
+  softcap            0, or Gemma 2's cap on attention scores: s -> softcap * tanh(s / softcap)
 The Triton kernels in this package take the same arguments and return the same values.
 """
 
@@ -31,7 +33,12 @@ def _gather(cache, block_tables):
     return cache.permute(2, 0, 1, 3).index_select(1, block_tables.reshape(-1)).view(kvh, B, nb * bs, d)
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+def _softcap(scores, softcap: float):
+    return scores.div_(softcap).tanh_().mul_(softcap) if softcap else scores
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
+                           softcap: float = 0.0):
     """One query token per sequence: q [B, h, d] -> [B, h, d]."""
     B, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -40,19 +47,25 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     v = _gather(v_cache, block_tables).view(kvh * B, -1, d)
     L = k.shape[1]
     qh = q.view(B, kvh, g, d).transpose(0, 1).reshape(kvh * B, g, d)
-    scores = torch.bmm(qh, k.transpose(1, 2)).mul_(scale)  # [kvh*B, g, L]
-    pad = torch.arange(L, device=q.device)[None, :] >= context_lens[:, None]
+    scores = _softcap(torch.bmm(qh, k.transpose(1, 2)).mul_(scale), softcap)  # [kvh*B, g, L]
+    steps = torch.arange(L, device=q.device)[None, :]
+    pad = steps >= context_lens[:, None]
+    if window:
+        pad |= steps <= (context_lens - 1 - window)[:, None]
     scores.view(kvh, B, g, L).masked_fill_(pad[None, :, None, :], float("-inf"))
     out = torch.bmm(scores.softmax(-1), v)  # [kvh*B, g, d]
     return out.view(kvh, B, g, d).transpose(0, 1).reshape(B, h, d)
 
 
-def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
+                            window: int = 0, softcap: float = 0.0):
     """A ragged batch of new tokens, causal over each sequence's cached prefix + new tokens.
 
     q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
     they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
     """
+    if window or softcap:  # masks SDPA's causal kernel cannot express: explicit scores
+        return _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     # Placing each query at its absolute position lets SDPA's causal kernel skip the upper
     # triangle (half the work of a first chunk), but computes a row for every cached
@@ -112,7 +125,8 @@ def _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_
     return out
 
 
-def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
+                    window: int = 0, softcap: float = 0.0):
     """Only the new tokens as queries, with an explicit mask of what each one sees."""
     Tq, h, d = q.shape
     dev = q.device
@@ -125,10 +139,20 @@ def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_
     v = _gather(v_cache, block_tables).transpose(0, 1)
     L = k.shape[2]
     pos = (context_lens - q_lens)[:, None] + steps  # absolute position of each query
-    visible = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]  # [B, max_q, L]
-    out = F.scaled_dot_product_attention(
-        q[rows].transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True
-    )  # [B, h, max_q, d]
+    keys = torch.arange(L, device=dev)[None, None, :]
+    visible = keys <= pos[:, :, None]  # [B, max_q, L]
+    if window:
+        visible &= keys > pos[:, :, None] - window
+    if softcap:  # scores by hand: SDPA has no cap
+        kvh = k.shape[1]
+        qg = q[rows].view(len(rows), max_q, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [B, kvh, g, max_q, d]
+        scores = _softcap(torch.matmul(qg, k[:, :, None].transpose(-1, -2)).mul_(scale), softcap)
+        scores.masked_fill_(~visible[:, None, None], float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v[:, :, None]).reshape(len(rows), h, max_q, d)
+    else:
+        out = F.scaled_dot_product_attention(
+            q[rows].transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True
+        )  # [B, h, max_q, d]
     return out.transpose(1, 2)[valid]
 
 
@@ -165,6 +189,12 @@ def silu_and_mul(x):
     """SwiGLU activation of a fused gate/up projection: x [T, 2I] -> silu(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x):
+    """GeGLU (Gemma's MLP): x [T, 2I] -> gelu_tanh(gate) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):

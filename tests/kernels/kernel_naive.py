@@ -18,7 +18,7 @@ def seq_kv(cache, block_table, length):
     return cache[block_table[t // bs], t % bs].double()  # token t lives in slot t % bs of block table[t // bs]
 
 
-def dense_attention(q, k, v, mask, scale):
+def dense_attention(q, k, v, mask, scale, softcap=0.0):
     """q [M, h, d], k/v [L, kvh, d], mask [M, L] (True = may attend) -> [M, h, d], float64."""
     M, h, d = q.shape
     kvh = k.shape[1]
@@ -27,23 +27,28 @@ def dense_attention(q, k, v, mask, scale):
     for head in range(h):
         kv = head // g  # query head `head` reads KV head head // g
         scores = (q[:, head].double() @ k[:, kv].T) * scale  # [M, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, -math.inf)
         p = torch.softmax(scores, dim=-1)
         out[:, head] = p @ v[:, kv]
     return out
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
     out = []
     for b in range(q.shape[0]):
         L = int(context_lens[b])
         k = seq_kv(k_cache, block_tables[b], L)
         v = seq_kv(v_cache, block_tables[b], L)
-        out.append(dense_attention(q[b : b + 1], k, v, torch.ones(1, L, dtype=torch.bool), scale)[0])
+        mask = torch.ones(1, L, dtype=torch.bool)
+        if window:  # the query sits at L - 1 and sees the last `window` positions
+            mask[0, : max(0, L - window)] = False
+        out.append(dense_attention(q[b : b + 1], k, v, mask, scale, softcap)[0])
     return torch.stack(out)
 
 
-def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale):
+def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0):
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(len(context_lens)):
         s, e = int(query_start_loc[b]), int(query_start_loc[b + 1])
@@ -54,8 +59,9 @@ def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sc
         v = seq_kv(v_cache, block_tables[b], L)
         mask = torch.zeros(n, L, dtype=torch.bool)
         for i in range(n):  # new token i sits at position L - n + i and sees positions 0..L - n + i
-            mask[i, : L - n + i + 1] = True
-        out[s:e] = dense_attention(q[s:e], k, v, mask, scale)
+            p = L - n + i
+            mask[i, (max(0, p - window + 1) if window else 0) : p + 1] = True
+        out[s:e] = dense_attention(q[s:e], k, v, mask, scale, softcap)
     return out
 
 
@@ -91,6 +97,13 @@ def rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True):
         return out
 
     return rotate(q), rotate(k)
+
+
+def gelu_tanh_and_mul(x):
+    x = x.double()
+    n = x.shape[-1] // 2
+    gate, up = x[..., :n], x[..., n:]
+    return 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))) * up
 
 
 def silu_and_mul(x):

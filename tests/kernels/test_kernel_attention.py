@@ -104,3 +104,49 @@ def test_prefill_public_matches_decode_rows():
     dec = pa.paged_attention_decode(q, k_cache, v_cache, bt, ctx, 0.1)
     torch.testing.assert_close(out, dec, **TOL[torch.float32])
     torch.testing.assert_close(out.double(), naive.decode(q, k_cache, v_cache, bt, ctx, 0.1), **TOL[torch.float32])
+
+
+# Sliding windows (Mistral, Gemma's local layers) and score soft-capping (Gemma 2), both
+# backends against the float64 naive attention: windows shorter than, equal to and longer
+# than the contexts, across split-K boundaries and block edges.
+# d, block_size, h, kvh, dtype, context lengths, split_size, block_n, window, softcap
+DECODE_WINDOWED = [
+    (64, 16, 4, 2, torch.float32, [1, 16, 33, 130], 64, 32, 20, 0.0),  # window inside split 2 of 3
+    (80, 16, 6, 2, torch.float32, [100, 7], 32, 32, 64, 0.0),  # splits wholly before the window
+    (64, 16, 4, 4, torch.float32, [40, 41], None, 64, 16, 50.0),  # window and cap together
+    (128, 32, 4, 1, torch.float16, [200, 96], 64, 64, 0, 30.0),  # cap alone, fp16
+    (64, 16, 2, 1, torch.bfloat16, [31, 300], 64, 64, 256, 0.0),  # window longer than a context
+]
+
+
+@pytest.mark.parametrize("d,bs,h,kvh,dtype,lens,split,block_n,window,softcap", DECODE_WINDOWED)
+def test_decode_window_and_softcap(d, bs, h, kvh, dtype, lens, split, block_n, window, softcap):
+    k_cache, v_cache, bt, ctx = paged_kv(lens, bs, kvh, d, dtype)
+    q = torch.randn(len(lens), h, d).to(dtype) * 4  # large scores, so the cap bites
+    scale = d**-0.5
+    out = pa.decode(q, k_cache, v_cache, bt, ctx, scale, window, softcap, split_size=split, block_n=block_n)
+    want_ref = ref.paged_attention_decode(q.float(), finite(k_cache).float(), finite(v_cache).float(), bt, ctx, scale,
+                                          window, softcap)
+    _check(out, want_ref, naive.decode(q, k_cache, v_cache, bt, ctx, scale, window, softcap), dtype)
+
+
+# d, block_size, h, kvh, dtype, [(cached prefix, new tokens)], block_m, block_n, window, softcap
+PREFILL_WINDOWED = [
+    (64, 16, 2, 2, torch.float32, [(0, 40), (16, 16), (0, 1)], 16, 16, 8, 0.0),  # window < a tile
+    (80, 32, 6, 2, torch.float32, [(50, 9), (0, 70)], 16, 32, 33, 0.0),  # a prefix partly outside
+    (64, 16, 4, 1, torch.float32, [(5, 30)], 32, 16, 0, 20.0),  # cap alone
+    (64, 16, 4, 2, torch.float16, [(20, 25), (0, 3)], 32, 32, 12, 50.0),  # both, fp16
+]
+
+
+@pytest.mark.parametrize("d,bs,h,kvh,dtype,seqs,block_m,block_n,window,softcap", PREFILL_WINDOWED)
+def test_prefill_window_and_softcap(d, bs, h, kvh, dtype, seqs, block_m, block_n, window, softcap):
+    lens = [p + n for p, n in seqs]
+    k_cache, v_cache, bt, ctx = paged_kv(lens, bs, kvh, d, dtype)
+    qsl = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+    q = torch.randn(int(qsl[-1]), h, d).to(dtype) * 4
+    scale = d**-0.5
+    out = pa.prefill(q, k_cache, v_cache, bt, qsl, ctx, scale, window, softcap, block_m=block_m, block_n=block_n)
+    want_ref = ref.paged_attention_prefill(q.float(), finite(k_cache).float(), finite(v_cache).float(), bt, qsl, ctx,
+                                           scale, window, softcap)
+    _check(out, want_ref, naive.prefill(q, k_cache, v_cache, bt, qsl, ctx, scale, window, softcap), dtype)

@@ -128,3 +128,9 @@ def test_length_buckets_partition_and_pay_off(n):
     assert padded <= n * max(lengths) ** 2
     if n >= 7:  # varied lengths: bucketing must save real work
         assert padded < 0.8 * n * max(lengths) ** 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_reference(dtype):
+    x = (3 * torch.randn(3, 2 * 80)).to(dtype)
+    torch.testing.assert_close(ref.gelu_tanh_and_mul(x).double(), naive.gelu_tanh_and_mul(x), **TOL[dtype])

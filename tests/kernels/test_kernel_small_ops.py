@@ -139,3 +139,14 @@ def test_rotary_float32_cache_keeps_the_model_dtype(dtype):
         assert g.dtype == wv.dtype == dtype
         torch.testing.assert_close(g.float(), wv.float(), **TOL[dtype])
         torch.testing.assert_close(g.double(), s, **TOL[dtype])
+
+
+@pytest.mark.parametrize("shape,dtype,block", [((4, 128), torch.float32, 1024), ((3, 160), torch.float16, 1024),
+                                               ((5, 2000), torch.float32, 256), ((2, 3, 192), torch.bfloat16, 1024)])
+def test_gelu_tanh_and_mul(shape, dtype, block):
+    x = (3 * torch.randn(shape)).to(dtype)
+    got = activation.launch(x, block=block, gelu=True)
+    want = ref.gelu_tanh_and_mul(x)
+    assert got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(got.double(), naive.gelu_tanh_and_mul(x), **TOL[dtype])
