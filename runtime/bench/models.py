@@ -16,7 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
-# Llama-architecture shapes. vocab 49152 everywhere a workload's ids (up to 40,000) must fit.
+# Llama-architecture shapes unless a preset names its model_type. vocab 49152 everywhere a
+# workload's ids (up to 40,000) must fit.
 PRESETS: dict[str, dict] = {
     # PERFORMANCE.md's GPU model: Llama-3.2-1B's shape with SmolLM2's vocabulary, tied.
     "llama-1b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -34,7 +35,20 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                  max_position_embeddings=2048),
+    # Qwen3-30B-A3B's layer (128 experts, top-8, expert width 768, 32/4 heads of 128) in 8 layers:
+    # the mixture-of-experts GPU figure (issue 29).
+    "qwen3-moe-a3b-8l": dict(model_type="qwen3_moe", vocab_size=49152, hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                             num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             tie_word_embeddings=False, max_position_embeddings=4096,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # the same routing (128 experts, top-8) at a size a CPU runs in seconds.
+    "qwen3-moe-tiny": dict(model_type="qwen3_moe", vocab_size=49152, hidden_size=128, intermediate_size=256,
+                           moe_intermediate_size=64, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           tie_word_embeddings=True, max_position_embeddings=2048),
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5, hidden_act="silu")
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
@@ -64,7 +78,7 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
 def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = None, dtype: str = "bfloat16",
                       device: str = "cpu", seed: int = 0, initializer_range: float | None = None,
                       overwrite: bool = False, **overrides) -> Path:
-    """Create (or reuse) a random-weight Llama-architecture HF directory; returns its path.
+    """Create (or reuse) a random-weight HF directory of a preset's architecture; returns its path.
 
     `device="cuda"` initialises the weights on the GPU (seconds for the 1B shape, against
     tens of seconds on a few CPU cores); the weights then come from the GPU's random
@@ -72,7 +86,7 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
     A directory made before with the same preset, dtype, seed and overrides is reused.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -91,7 +105,9 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    cfg = LlamaConfig(**fields, architectures=["LlamaForCausalLM"])
+    model_type = fields.get("model_type", "llama")
+    arch_fields = {k: v for k, v in fields.items() if k != "model_type"}
+    cfg = AutoConfig.for_model(model_type, **arch_fields, architectures=[ARCHITECTURES[model_type]])
     torch.manual_seed(seed)  # seeds the CUDA generators too
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
