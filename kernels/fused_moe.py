@@ -54,23 +54,28 @@ def _grouped_gemm_kernel(
 
 
 def align_block_size(topk_ids, num_experts: int, block_m: int):
-    """Pairs sorted by expert, each expert's run padded to a multiple of block_m.
+    """Pairs sorted by expert, each expert's run padded to a multiple of block_m (pairs whose
+    expert is outside [0, num_experts), another rank's, get no slot).
 
     Returns (sorted_ids [capacity] with num_pairs in padding slots, block_expert [capacity //
     block_m], num_padded [1]); capacity bounds the padded total from shapes alone.
     """
     flat = topk_ids.reshape(-1)
-    P = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    P, E = flat.numel(), num_experts
+    flat = torch.where((flat >= 0) & (flat < E), flat, E)  # experts of other ranks: no slot
+    counts = torch.bincount(flat, minlength=E + 1)[:E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = flat.argsort(stable=True)
     experts = flat[order]
-    rank = torch.arange(P, device=flat.device) - (counts.cumsum(0) - counts)[experts]
-    capacity = P + min(num_experts, P) * (block_m - 1)
+    mine = experts.clamp(max=E - 1)
+    rank = torch.arange(P, device=flat.device) - (counts.cumsum(0) - counts)[mine]
+    capacity = P + min(E, P) * (block_m - 1)
     capacity = cdiv(max(capacity, 1), block_m) * block_m
-    sorted_ids = torch.full((capacity,), P, dtype=torch.int32, device=flat.device)
-    sorted_ids[(padded_end - padded)[experts] + rank] = order.to(torch.int32)
+    dest = torch.where(experts < E, (padded_end - padded)[mine] + rank, capacity)  # the last slot: dropped
+    sorted_ids = torch.full((capacity + 1,), P, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
+    sorted_ids = sorted_ids[:capacity]
     block_starts = torch.arange(0, capacity, block_m, device=flat.device)
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_ids, block_expert, padded_end[-1:].to(torch.int32)
@@ -97,7 +102,8 @@ def launch(x, w13, w2, topk_weights, topk_ids, *, block_m=16, block_n=64, block_
     h = silu_and_mul(gate_up)
     down = _common.empty((P, H), x.dtype, x.device)
     _gemm(h, w2, down, weights, sorted_ids, block_expert, num_padded, 1, True, block_m, block_n, block_k)
-    out.copy_(down.view(T, k, H).float().sum(1))
+    here = ((topk_ids >= 0) & (topk_ids < E))[..., None]  # rows of other ranks' experts: never written
+    out.copy_(torch.where(here, down.view(T, k, H).float(), 0.0).sum(1))
     return out
 
 

@@ -33,16 +33,24 @@ def _param(*shape) -> nn.Parameter:
 
 
 class FusedMoE(nn.Module):
-    """E SwiGLU experts as two stacked weights: w13 [E, 2*I_local, H] (each expert's gate rows,
-    then its up rows) and w2 [E, H, I_local]. forward returns this rank's partial sum."""
+    """SwiGLU experts as two stacked weights: w13 [E_local, 2*I_local, H] (each expert's gate
+    rows, then its up rows) and w2 [E_local, H, I_local]. Over tensor-parallel ranks each holds
+    every expert's slice of I, or (expert_parallel) a run of whole experts, the pairs routed to
+    the others' skipped. forward returns this rank's partial sum."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, state: ParallelState = SINGLE):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
+                 expert_parallel: bool = False):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
-        self.start, end = shard_range(intermediate, state)
-        self.local = end - self.start
-        self.w13 = _param(num_experts, 2 * self.local, hidden)
-        self.w2 = _param(num_experts, hidden, self.local)
+        if expert_parallel:
+            self.first_expert, last = shard_range(num_experts, state)
+            self.start, self.local = 0, intermediate
+        else:
+            self.first_expert, last = 0, num_experts
+            self.start, end = shard_range(intermediate, state)
+            self.local = end - self.start
+        self.w13 = _param(last - self.first_expert, 2 * self.local, hidden)
+        self.w2 = _param(last - self.first_expert, hidden, self.local)
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """`name` relative to the experts: "N.w1.weight", "N.gate_proj.weight", "gate_up_proj", ..."""
@@ -50,6 +58,7 @@ class FusedMoE(nn.Module):
         if name in ("gate_up_proj", "down_proj"):  # every expert at once
             want = (self.num_experts, 2 * I, self.hidden) if name == "gate_up_proj" else (self.num_experts, self.hidden, I)
             _check_shape(name, tensor, want)
+            tensor = tensor[self.first_expert : self.first_expert + self.w13.shape[0]]
             if name == "gate_up_proj":
                 self.w13.data[:, :n].copy_(tensor[:, s : s + n])
                 self.w13.data[:, n:].copy_(tensor[:, I + s : I + s + n])
@@ -62,6 +71,9 @@ class FusedMoE(nn.Module):
         e, which = int(parts[0]), _EXPERT_LEAVES[parts[1]]
         if e >= self.num_experts:
             raise ValueError(f"expert {e} in the checkpoint, but the config has {self.num_experts}")
+        e -= self.first_expert
+        if not 0 <= e < self.w13.shape[0]:
+            return  # another rank's expert
         if which == _DOWN:
             _check_shape(name, tensor, (self.hidden, I))
             self.w2.data[e].copy_(tensor[:, s : s + n])
@@ -70,6 +82,8 @@ class FusedMoE(nn.Module):
             self.w13.data[e, which * n : (which + 1) * n].copy_(tensor[s : s + n])
 
     def forward(self, ops, x, topk_weights, topk_ids):
+        if self.first_expert:  # ids of this rank's experts from 0; the others' fall outside and add nothing
+            topk_ids = topk_ids - self.first_expert
         return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
 
@@ -82,28 +96,29 @@ class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert, gated by sigmoid(shared_expert_gate(x)))."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
-                 renormalize: bool = True, shared_intermediate: int = 0):
+                 renormalize: bool = True, shared_intermediate: int = 0, expert_parallel: bool = False):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"cannot route each token to {top_k} of {num_experts} experts")
         self.state, self.top_k, self.renormalize = state, top_k, renormalize
         self.gate = _param(num_experts, hidden)  # replicated: every rank routes alike
-        self.experts = FusedMoE(num_experts, hidden, intermediate, state)
+        self.experts = FusedMoE(num_experts, hidden, intermediate, state, expert_parallel)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             self.shared_expert = SharedExpert(hidden, shared_intermediate, state)
             self.shared_expert_gate = _param(1, hidden)
 
     @classmethod
-    def from_config(cls, cfg, state: ParallelState = SINGLE) -> "SparseMoeBlock":
+    def from_config(cls, cfg, state: ParallelState = SINGLE, expert_parallel: bool = False) -> "SparseMoeBlock":
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
         if cfg.model_type == "mixtral":  # always renormalises its top-k
-            return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, state)
+            return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, state,
+                       expert_parallel=expert_parallel)
         if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
             shared = getattr(cfg, "shared_expert_intermediate_size", 0) if cfg.model_type == "qwen2_moe" else 0
             return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, state,
-                       renormalize=bool(cfg.norm_topk_prob), shared_intermediate=shared)
+                       renormalize=bool(cfg.norm_topk_prob), shared_intermediate=shared, expert_parallel=expert_parallel)
         raise ValueError(f"no mixture-of-experts block for model type {cfg.model_type!r}")
 
     def route(self, x):

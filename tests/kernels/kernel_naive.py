@@ -165,6 +165,8 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
     for t in range(T):
         for j in range(k):
             e = int(topk_ids[t, j])
+            if not 0 <= e < w13.shape[0]:  # another rank's expert
+                continue
             gate_up = w13[e].double() @ x[t].double()
             h = silu_and_mul(gate_up[None])[0] if I else gate_up[:0]
             out[t] += float(topk_weights[t, j]) * (w2[e].double() @ h)

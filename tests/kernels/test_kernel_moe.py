@@ -109,3 +109,36 @@ def test_align_block_size_gives_each_block_one_expert(T, E, k, bm):
         block = sorted_ids[b * bm : (b + 1) * bm].long()
         block = block[block < P]
         assert len(block) and (flat[block] == int(block_expert[b])).all()
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+def _split_routing(T, H, I, E, k, dtype):
+    """Routing over 3E experts of which this rank holds the middle E: ids below 0 or from E on
+    name other ranks' experts (as a layer shifts global ids by its first expert)."""
+    x, w13, w2, _, _ = _moe_inputs(T, H, I, E, k, dtype)
+    weights, ids = torch.rand(T, 3 * E).softmax(-1).topk(k, dim=-1)
+    return x, w13, w2, weights, ids - E
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "padded_bmm"])
+def test_reference_skips_other_ranks_experts(grouped_mm, monkeypatch):
+    if not grouped_mm:
+        monkeypatch.setattr(ref, "_grouped_mm_fits", lambda rows, w: False)
+    inputs = _split_routing(17, 32, 16, 4, 3, torch.float32)
+    assert ((inputs[4] < 0) | (inputs[4] >= 4)).any() and ((inputs[4] >= 0) & (inputs[4] < 4)).any()
+    _check(ref.fused_moe(*inputs), *inputs)
+    x, w13, w2, weights, ids = inputs
+    none_here = ref.fused_moe(x, w13, w2, weights, ids.clamp(max=-1))
+    assert torch.equal(none_here, torch.zeros_like(x))
+
+
+def test_triton_skips_other_ranks_experts():
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs = _split_routing(17, 32, 16, 4, 3, torch.float32)
+    got = fused_moe.launch(*inputs, block_m=16, block_n=16, block_k=16)
+    _check(got, *inputs)
+    torch.testing.assert_close(got, ref.fused_moe(*inputs), **TOL[torch.float32])

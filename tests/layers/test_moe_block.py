@@ -56,8 +56,8 @@ def _per_expert(state_dict, model_type):
     return out
 
 
-def _ours(cfg, weights, state=None):
-    block = SparseMoeBlock.from_config(cfg, state or ParallelState())
+def _ours(cfg, weights, state=None, expert_parallel=False):
+    block = SparseMoeBlock.from_config(cfg, state or ParallelState(), expert_parallel)
     for name, t in weights.items():
         block.load(name, t)
     return block
@@ -96,26 +96,49 @@ def test_bad_weights_are_refused():
         SparseMoeBlock.from_config(_config("mixtral").__class__(**{**_config("mixtral").to_dict(), "hidden_act": "gelu"}))
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert_parallel"])
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_rank_shards_sum_to_the_whole(layout, expert_parallel):
+    """The experts' partial sums of 4 ranks (before the block's all-reduce), each loading only its
+    shard of the same checkpoint, add up to one rank's output."""
+    torch.manual_seed(2)
+    cfg = _config("qwen3_moe", True)
+    hf = _hf_block(cfg)
+    sd = dict(hf.state_dict())
+    weights = _per_expert(sd, "qwen3_moe") if layout == "per_expert" else sd
+    whole = _ours(cfg, weights)
+    x = torch.randn(9, H)
+    ops = get_ops("torch", "cpu")
+    with torch.no_grad():
+        want = whole.experts(ops, x, *whole.route(x))
+        parts = [_ours(cfg, weights, ParallelState(tp_rank=r, tp_size=4), expert_parallel) for r in range(4)]
+        got = sum(p.experts(ops, x, *p.route(x)) for p in parts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- tensor parallel 2 (gloo)
 
 
-def _tp_rank(rank, init_file, cfg, weights, x, results):
+def _tp_rank(rank, init_file, cfg, weights, x, expert_parallel, results):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
         state = ParallelState(tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD)
-        block = _ours(cfg, weights, state)
-        assert block.experts.w13.shape[1] == 2 * block.experts.intermediate // 2  # half of each expert
+        block = _ours(cfg, weights, state, expert_parallel)
+        e, i = block.experts.w13.shape[:2]
+        n = block.experts.num_experts
+        assert (e, i) == ((n // 2, 2 * block.experts.intermediate) if expert_parallel else (n, block.experts.intermediate))
         with torch.no_grad():
             results.put((rank, block(get_ops("torch", "cpu"), x)))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
-def test_tensor_parallel_2_matches_transformers(model_type):
+@pytest.mark.parametrize("model_type,expert_parallel", [("mixtral", False), ("qwen2_moe", False), ("qwen3_moe", True)])
+def test_tensor_parallel_2_matches_transformers(model_type, expert_parallel):
+    """Each rank holds half of every expert (or, expert parallel, half of the experts whole)."""
     torch.manual_seed(1)
     cfg = _config(model_type, True)
     hf = _hf_block(cfg)
@@ -126,7 +149,8 @@ def test_tensor_parallel_2_matches_transformers(model_type):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_tp_rank, args=(r, os.path.join(tmp, "init"), cfg, weights, x.reshape(-1, H), results))
+        procs = [ctx.Process(target=_tp_rank, args=(r, os.path.join(tmp, "init"), cfg, weights, x.reshape(-1, H),
+                                                     expert_parallel, results))
                  for r in range(2)]
         for p in procs:
             p.start()
