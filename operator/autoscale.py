@@ -138,6 +138,19 @@ def decide(
     return Decision(desired, int(raw), direction, reason, new_state)
 
 
+def desired_replicas(body: Mapping[str, Any]) -> int:
+    """The group count so far: `spec.replicas`, or with autoscaling the last decision
+    (`status.desiredReplicas`) within the current bounds."""
+    spec, status = body["spec"], body.get("status") or {}
+    if spec["autoscaling"]["enabled"]:
+        lo, hi = spec["autoscaling"]["minReplicas"], spec["autoscaling"]["maxReplicas"]
+        current = status.get("desiredReplicas")
+        if current is None:
+            current = spec.get("replicas", lo)
+        return max(lo, min(hi, int(current)))
+    return int(spec["replicas"])
+
+
 def rfc3339(t: float) -> str:
     return datetime.datetime.fromtimestamp(int(t), tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

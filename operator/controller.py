@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, scrape, status, validate
+from shoal.operator.apply import Applier, delete_quietly, get_quietly, list_quietly, owned_by
 from shoal.operator.kube import ApiError, Kube
 
 log = logging.getLogger("shoal.operator")
@@ -119,11 +120,6 @@ class Observed:
     pods: dict[str, list[dict[str, Any]]]          # by group name
 
 
-def owned_by(obj: dict[str, Any], uid: str | None) -> bool:
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return uid is None or any(r.get("uid") == uid for r in refs)
-
-
 # ---------------------------------------------------------------- the controller
 
 Events = Callable[[dict[str, Any], str, str, str], None]   # (body, type, reason, message)
@@ -148,8 +144,7 @@ class Controller:
         self.loads: dict[tuple[str, str], dict[str, float]] = {}
         self.pending: dict[tuple[str, str], float] = {}   # requests the routers hold, last scrape
         self.no_pod_patch: set[str] = set()   # namespaces where RBAC refuses pods/patch
-        # (kind, ns, name, owner uid, owner name) -> spec hash
-        self.applied: dict[tuple[str, str, str, str, str], str] = {}
+        self.applier = Applier()
 
     @property
     def kube(self) -> Kube:
@@ -194,8 +189,7 @@ class Controller:
                 self._running[(namespace, name)]["forgotten"] = True
         self.loads.pop((namespace, name), None)
         self.pending.pop((namespace, name), None)
-        # Its children's applied hashes, by owner name (a name prefix would also hit `NAME2`'s).
-        self.applied = {k: v for k, v in self.applied.items() if (k[1], k[4]) != (namespace, name)}
+        self.applier.forget(namespace, name)
         metrics.forget(namespace, name)
 
     # -------------------------------------------------------------- one reconcile
@@ -228,40 +222,35 @@ class Controller:
         uid = body["metadata"].get("uid")
         spec = body["spec"]
         now = self.clock()
-        revision = render.revision_hash(body)
+        want = render.desired(body, self.cluster_domain)
+        revision = want.revision
 
         # 1. Objects shared by all groups.
         # Event-driven rounds trust what this process applied; timer rounds re-check the cluster.
-        for obj in render.shared_objects(body, self.cluster_domain):
-            self._apply(kube, obj, verify=scrape)
+        for obj in want.shared:
+            self.applier.apply(kube, obj, verify=scrape)
         # Objects of a switched-off feature or another routing mode: timer rounds look in the
         # cluster; other rounds delete at once what this process applied (a mode switch).
-        for api_version, kind, mname in render.monitor_objects_absent(body) + render.routing_objects_absent(body):
-            if not scrape and (kind, ns, mname, uid or "", name) not in self.applied:
-                continue
-            existing = self._get_quietly(kube, api_version, kind, ns, mname)
-            if existing is not None and owned_by(existing, uid) and not existing["metadata"].get("deletionTimestamp"):
-                kube.delete(api_version, kind, ns, mname)
-            self.applied.pop((kind, ns, mname, uid or "", name), None)
+        self.applier.delete_absent(kube, want.absent, ns, uid, name, look=scrape)
         router = None
-        if render.routing_mode(spec) == "shoal":
-            router = self._router(kube, body, fresh=scrape)
+        if want.router:
+            router = self._router(kube, body, want.router, fresh=scrape)
         else:
             self.pending.pop((ns, name), None)   # no router: nothing held (a switch back starts afresh)
 
         # 1b. The shared model cache: groups of this revision wait until it holds the model.
-        cache = self._model_cache(kube, body, now) if render.uses_model_cache(spec) else None
+        cache = self._model_cache(kube, body, want, now) if want.cache_key else None
 
         # 2. What the groups look like.
-        obs = self._observe(kube, body)
+        obs = self._observe(kube, body, want.labels)
         if scrape:
             # Companions of groups that are gone (a delete that failed half-way, an operator restart).
-            for api_version, kind in render.COMPANION_KINDS:
-                for obj in self._list_quietly(kube, api_version, kind, ns, render.selector_labels(name)):
+            for api_version, kind in want.companion_kinds:
+                for obj in list_quietly(kube, api_version, kind, ns, want.labels):
                     group = (obj["metadata"].get("labels") or {}).get(render.L_GROUP)
                     if group and group not in obs.statefulsets and owned_by(obj, uid):
-                        self._delete_quietly(kube, api_version, kind, ns, obj["metadata"]["name"])
-        groups, details, failing = self._groups(kube, body, obs, revision, verify=scrape)
+                        delete_quietly(kube, api_version, kind, ns, obj["metadata"]["name"])
+        groups, details, failing = self._groups(kube, body, want, obs, verify=scrape)
 
         # 3. Queue depth (timer rounds only) and the autoscaler.
         key = (ns, name)
@@ -269,7 +258,7 @@ class Controller:
             self.loads[key] = self._scrape(obs, groups)
         loads = self.loads.get(key, {})
         groups = [dataclasses.replace(g, load=loads.get(g.name, 0.0)) for g in groups]
-        desired = render.desired_replicas(body)
+        desired = autoscale.desired_replicas(body)
         auto_state = None
         if spec["autoscaling"]["enabled"]:
             auto_state = (body.get("status") or {}).get("autoscaler") or {}
@@ -290,10 +279,11 @@ class Controller:
         if cache is not None and cache["phase"] != "Ready":
             plan.create = []   # nothing to load yet; the old groups keep serving (the floor holds)
         for index in plan.create:
-            sts = render.group_statefulset(body, revision, index, self.cluster_domain)
-            for companion in render.group_companions(body, revision, index):   # before its pods exist
-                self._apply_now(kube, companion)
-            self._apply_now(kube, sts)
+            *companions, sts = want.group(index)
+            for companion in companions:   # before its pods exist
+                self.applier.apply_now(kube, companion)
+            if not self.applier.apply_now(kube, sts):
+                continue   # an object of that name is still going away: nothing was created, say nothing
             groups.append(rollout.Group(sts["metadata"]["name"], revision, index, ready=False))
             self.events(body, "Normal", "GroupCreated",
                         f"created group {sts['metadata']['name']} (revision {revision})")
@@ -302,8 +292,8 @@ class Controller:
             kube.delete("apps/v1", "StatefulSet", ns, gname, propagation="Foreground")
             # Its policy (and PodGroup) go with it; its pods still drain among themselves (their
             # connections exist already, and no new peer needs the rendezvous port).
-            for api_version, kind in render.COMPANION_KINDS:
-                self._delete_quietly(kube, api_version, kind, ns, gname)
+            for api_version, kind in want.companion_kinds:
+                delete_quietly(kube, api_version, kind, ns, gname)
             g = next(g for g in groups if g.name == gname)
             why = "old revision" if g.revision != revision else "scale down"
             self.events(body, "Normal", "GroupDeleted", f"deleted group {gname} ({why}); its pods drain")
@@ -311,10 +301,8 @@ class Controller:
 
         # 5. Status.
         new_status = status.build(body=body, groups=groups, group_details=details, revision=revision,
-                                  desired=desired, selector=render.selector(name), failing=failing,
-                                  autoscaler=auto_state, now=now, model_cache=cache,
-                                  url=None if render.routing_mode(spec) == "inferencePool"
-                                  else render.serving_url(name, ns, self.cluster_domain),
+                                  desired=desired, selector=want.selector, failing=failing,
+                                  autoscaler=auto_state, now=now, model_cache=cache, url=want.url,
                                   router=router)
         self._write_status(kube, body, new_status)
         metrics.set_groups(ns, name, desired, new_status["readyReplicas"])
@@ -322,69 +310,8 @@ class Controller:
 
     # -------------------------------------------------------------- helpers
 
-    @staticmethod
-    def _get_quietly(kube: Kube, api_version: str, kind: str, ns: str, name: str) -> dict[str, Any] | None:
-        try:
-            return kube.get(api_version, kind, ns, name)
-        except ApiError as e:
-            if e.status in (403, 404):
-                return None
-            raise
-
-    @staticmethod
-    def _list_quietly(kube: Kube, api_version: str, kind: str, ns: str,
-                      labels: dict[str, str]) -> list[dict[str, Any]]:
-        try:
-            return kube.list(api_version, kind, ns, labels)
-        except ApiError as e:
-            if e.status in (403, 404):
-                return []
-            raise
-
-    @staticmethod
-    def _delete_quietly(kube: Kube, api_version: str, kind: str, ns: str, name: str) -> None:
-        try:
-            kube.delete(api_version, kind, ns, name)
-        except ApiError as e:
-            if e.status not in (403, 404):
-                raise
-
-    def _apply(self, kube: Kube, obj: dict[str, Any], verify: bool = True) -> None:
-        meta = obj["metadata"]
-        want = meta["annotations"][render.A_SPEC_HASH]
-        ref = (meta.get("ownerReferences") or [{}])[0]
-        key = (obj["kind"], meta["namespace"], meta["name"], ref.get("uid", ""),
-               meta["labels"].get(render.L_DEPLOYMENT, ""))
-        if not verify and self.applied.get(key) == want:
-            return
-        self._apply_now(kube, obj)
-        self.applied[key] = want
-
-    def _apply_now(self, kube: Kube, obj: dict[str, Any]) -> None:
-        meta = obj["metadata"]
-        existing = self._get_quietly(kube, obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        if existing is not None:
-            if existing["metadata"].get("deletionTimestamp"):
-                return  # still going away; the next round recreates it
-            have = ((existing.get("metadata") or {}).get("annotations") or {}).get(render.A_SPEC_HASH)
-            if have == meta["annotations"][render.A_SPEC_HASH]:
-                # Our annotation says unchanged, but someone may have changed what we own:
-                # compare the live fields we set (applying again when nothing drifted would
-                # only churn resourceVersions).
-                paths = render.drift({k: v for k, v in obj.items() if k != "status"}, existing)
-                if not paths:
-                    return
-                self.drifted(obj, paths)
-        kube.apply(obj)
-
-    def drifted(self, obj: dict[str, Any], paths: list[str]) -> None:
-        meta = obj["metadata"]
-        log.warning("%s %s/%s drifted (%s): re-applying", obj["kind"], meta["namespace"], meta["name"],
-                    ", ".join(paths[:5]))
-
-    def _observe(self, kube: Kube, body: dict[str, Any]) -> Observed:
-        ns, name, uid = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid")
-        labels = render.selector_labels(name)
+    def _observe(self, kube: Kube, body: dict[str, Any], labels: dict[str, str]) -> Observed:
+        ns, uid = body["metadata"]["namespace"], body["metadata"].get("uid")
         stss = {s["metadata"]["name"]: s for s in kube.list("apps/v1", "StatefulSet", ns, labels)
                 if owned_by(s, uid) and render.L_GROUP in (s["metadata"].get("labels") or {})}
         pods: dict[str, list[dict[str, Any]]] = {g: [] for g in stss}
@@ -394,21 +321,21 @@ class Controller:
                 pods[group].append(pod)
         return Observed(stss, pods)
 
-    def _model_cache(self, kube: Kube, body: dict[str, Any], now: float) -> dict[str, Any]:
+    def _model_cache(self, kube: Kube, body: dict[str, Any], want: render.Desired, now: float) -> dict[str, Any]:
         """The fetch Job of the current (source, revision): create it, follow it, remember success.
 
         Once status says Ready for this key it is trusted (the Job may be gone); a new
         revision is a new key, so a new Job and a new directory in the cache."""
         ns = body["metadata"]["namespace"]
-        key = render.model_cache_key(body["spec"])
+        key = want.cache_key
         prev = (body.get("status") or {}).get("modelCache") or {}
         if prev.get("key") == key and prev.get("phase") == "Ready":
             return prev
-        job = render.model_fetch_job(body)
+        job = want.fetch_job()
         jname = job["metadata"]["name"]
-        live = self._get_quietly(kube, "batch/v1", "Job", ns, jname)
+        live = get_quietly(kube, "batch/v1", "Job", ns, jname)
         if live is None:
-            self._apply_now(kube, job)
+            self.applier.apply_now(kube, job)
             return {"phase": "Pending", "key": key, "job": jname, "message": "fetch Job created"}
         phase, message = job_phase(live)
         st = live.get("status") or {}
@@ -422,8 +349,8 @@ class Controller:
                 self.events(body, "Warning", "ModelFetchFailed", message)
         return out
 
-    def _groups(self, kube: Kube, body: dict[str, Any], obs: Observed, revision: str, verify: bool = False):
-        ns = body["metadata"]["namespace"]
+    def _groups(self, kube: Kube, body: dict[str, Any], want: render.Desired, obs: Observed, verify: bool = False):
+        ns, revision = body["metadata"]["namespace"], want.revision
         now = self.clock()
         groups: list[rollout.Group] = []
         details: dict[str, dict[str, Any]] = {}
@@ -441,10 +368,8 @@ class Controller:
             g_rev = labels.get(render.L_REVISION, "")
             if not terminating and g_rev == revision and verify:
                 # Drift (a group scaled by hand, a label removed, its policy deleted): put back what we own.
-                index = int(labels.get(render.L_INDEX, "0"))
-                for companion in render.group_companions(body, revision, index):
-                    self._apply_now(kube, companion)
-                self._apply_now(kube, render.group_statefulset(body, revision, index, self.cluster_domain))
+                for obj in want.group(int(labels.get(render.L_INDEX, "0"))):
+                    self.applier.apply_now(kube, obj)
             if not terminating:
                 self._label_roles(kube, ns, pods)
                 reason = failure_reason(pods) if g_rev == revision else None
@@ -515,14 +440,16 @@ class Controller:
                 log.debug("scrape %s failed: %s", url, e)
         return out
 
-    def _router(self, kube: Kube, body: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    def _router(self, kube: Kube, body: dict[str, Any], router: tuple[str, dict[str, str]],
+                fresh: bool) -> dict[str, Any]:
         """The router Deployment's ready pods and (timer rounds) the requests its pods hold."""
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        dep = self._get_quietly(kube, "apps/v1", "Deployment", ns, render.router_name(name)) or {}
+        dep_name, pod_labels = router
+        dep = get_quietly(kube, "apps/v1", "Deployment", ns, dep_name) or {}
         key = (ns, name)
         if fresh:
             total = 0.0
-            for pod in self._list_quietly(kube, "v1", "Pod", ns, render.router_selector_labels(name)):
+            for pod in list_quietly(kube, "v1", "Pod", ns, pod_labels):
                 url = scrape.metrics_url(pod) if pod_ready(pod) else None
                 if not url:
                     continue

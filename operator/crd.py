@@ -245,7 +245,8 @@ def spec_schema() -> dict[str, Any]:
     resources = {
         "type": "object",
         "description": "Per-pod resources. Naming an accelerator (e.g. nvidia.com/gpu) sets its "
-                       "limit to parallelism.tensor.",
+                       "limit to parallelism.tensor. Without one, a cpu or memory request with no "
+                       "limit gets a limit equal to it (both: a Guaranteed pod).",
         "properties": {
             "requests": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},
             "limits": {"type": "object", "maxProperties": 32, "additionalProperties": _QUANTITY},

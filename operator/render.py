@@ -27,13 +27,13 @@ owner has a uid, a controller ownerReference to it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import posixpath
-import re
 from typing import Any
 
-from shoal.operator import crd, defaults
+from shoal.operator import autoscale, crd, defaults
 
 HTTP_PORT = 8000
 DIST_PORT = 29500
@@ -74,6 +74,12 @@ def group_name(name: str, revision: str, index: int) -> str:
     return f"{name}-{revision_name_part(revision)}-{index}"
 
 
+def _group_labels(name: str, revision: str, index: int) -> tuple[str, dict[str, str]]:
+    """A group's name and the labels its objects carry."""
+    group = group_name(name, revision, index)
+    return group, {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}
+
+
 def headless_name(name: str) -> str:
     return f"{name}-headless"
 
@@ -100,14 +106,9 @@ def leaders_name(name: str) -> str:
 
 
 def common_labels(name: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "shoal",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": "inference",
-        "app.kubernetes.io/part-of": "shoal",
-        "app.kubernetes.io/managed-by": "shoal-operator",
-        L_DEPLOYMENT: name,
-    }
+    return {"app.kubernetes.io/name": "shoal", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": "inference", "app.kubernetes.io/part-of": "shoal",
+            "app.kubernetes.io/managed-by": "shoal-operator", L_DEPLOYMENT: name}
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -126,11 +127,8 @@ def selector(name: str) -> str:
 def _meta(body: dict[str, Any], name: str, labels: dict[str, str] | None = None,
           annotations: dict[str, str] | None = None) -> dict[str, Any]:
     owner = body["metadata"]["name"]
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": body["metadata"].get("namespace") or "default",
-        "labels": {**common_labels(owner), **(labels or {})},
-    }
+    meta: dict[str, Any] = {"name": name, "namespace": body["metadata"].get("namespace") or "default",
+                            "labels": {**common_labels(owner), **(labels or {})}}
     if annotations:
         meta["annotations"] = dict(annotations)
     ref = owner_reference(body)
@@ -143,14 +141,8 @@ def owner_reference(body: dict[str, Any]) -> dict[str, Any] | None:
     uid = body["metadata"].get("uid")
     if not uid:
         return None
-    return {
-        "apiVersion": crd.API_VERSION,
-        "kind": crd.KIND,
-        "name": body["metadata"]["name"],
-        "uid": uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": body["metadata"]["name"], "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
 
 
 def canonical_hash(obj: Any, length: int = 16) -> str:
@@ -174,12 +166,10 @@ def uses_model_cache(spec: dict[str, Any]) -> bool:
 
 
 def _fetch_env(model: dict[str, Any], repo: str, target: str) -> list[dict[str, Any]]:
-    env = [
-        {"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
-        {"name": "SHOAL_MODEL_REPO", "value": repo},
-        {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
-        {"name": "SHOAL_MODEL_DIR", "value": target},
-    ]
+    env = [{"name": "HF_HOME", "value": posixpath.join(MODEL_MOUNT, ".hf")},
+           {"name": "SHOAL_MODEL_REPO", "value": repo},
+           {"name": "SHOAL_MODEL_REVISION", "value": model.get("revision", "main")},
+           {"name": "SHOAL_MODEL_DIR", "value": target}]
     secret = model.get("tokenSecret")
     if secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
@@ -187,13 +177,13 @@ def _fetch_env(model: dict[str, Any], repo: str, target: str) -> list[dict[str, 
     return env
 
 
-FETCH_SCRIPT = (
-    "import os\n"
-    "from huggingface_hub import snapshot_download\n"
-    "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
-    " revision=os.environ['SHOAL_MODEL_REVISION'],"
-    " local_dir=os.environ['SHOAL_MODEL_DIR'])\n"
-)
+def _fetch_script(more: str = "") -> str:
+    return ("import os\nfrom huggingface_hub import snapshot_download\n"
+            "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'], revision=os.environ['SHOAL_MODEL_REVISION'],"
+            f" local_dir=os.environ['SHOAL_MODEL_DIR']{more})\n")
+
+
+FETCH_SCRIPT = _fetch_script()
 
 
 def model_plan(spec: dict[str, Any], name: str = "") -> dict[str, Any]:
@@ -260,22 +250,53 @@ def serve_args(body: dict[str, Any], model_arg: str) -> list[str]:
 def container_resources(spec: dict[str, Any]) -> dict[str, Any]:
     res = spec.get("resources") or {}
     tensor = spec["parallelism"]["tensor"]
-    out: dict[str, Any] = {}
-    for part in ("requests", "limits"):
-        if res.get(part):
-            out[part] = dict(res[part])
-    for key in defaults.accelerator_keys(spec):
+    out: dict[str, Any] = {part: dict(res[part]) for part in ("requests", "limits") if res.get(part)}
+    accelerators = defaults.accelerator_keys(spec)
+    for key in accelerators:
         # Accelerators are per pod = tensor ranks; extended resources need limits (requests follow).
         out.setdefault("limits", {})[key] = tensor
         if key in out.get("requests", {}):
             out["requests"][key] = tensor
+    # A CPU pod: a cpu or memory request without a limit gets one equal to it, so both given make a
+    # Guaranteed pod (whole CPUs: exclusive cores under the kubelet's static CPU manager policy).
+    for key in () if accelerators else ("cpu", "memory"):
+        if key in out.get("requests", {}):
+            out.setdefault("limits", {}).setdefault(key, out["requests"][key])
     return out
+
+
+def init_resources(main: dict[str, Any]) -> dict[str, Any]:
+    """The main container's cpu and memory where it limits both (a pod's QoS class counts its init
+    containers; it reserves the larger of theirs and the main one's, so no more), else none."""
+    if not {"cpu", "memory"} <= set(main.get("limits") or {}):
+        return {}
+    return {part: {k: v for k, v in main[part].items() if k in ("cpu", "memory")} for part in main}
 
 
 def scrape_annotations(spec: dict[str, Any]) -> dict[str, str]:
     if spec["monitoring"]["serviceMonitor"]:
         return {}
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT), "prometheus.io/path": "/metrics"}
+
+
+def _probes(startup_period: int, startup_seconds: int, startup_timeout: int) -> dict[str, Any]:
+    """Startup and liveness on /health, readiness on /ready, and the preStop pause."""
+    def probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+                "failureThreshold": failures, "timeoutSeconds": timeout}
+    return {"startupProbe": probe("/health", startup_period, startup_seconds // startup_period, startup_timeout),
+            "livenessProbe": probe("/health", 10, 3, 5), "readinessProbe": probe("/ready", 5, 2, 3),
+            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = "cluster.local") -> dict[str, Any]:
@@ -318,28 +339,11 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         ],
         "env": env,
         "resources": container_resources(spec),
-        "startupProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 10, "failureThreshold": STARTUP_SECONDS // 10, "timeoutSeconds": 5,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5,
-        },
-        "readinessProbe": {
-            "httpGet": {"path": "/ready", "port": "http"},
-            "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3,
-        },
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        **_probes(startup_period=10, startup_seconds=STARTUP_SECONDS, startup_timeout=5),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]
                         + [{"name": v, "mountPath": path} for v, path in WRITABLE_DIRS]
                         + model["mounts"] + list(user.get("volumeMounts") or []),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "readOnlyRootFilesystem": True,
-        },
+        "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if user.get("envFrom"):
@@ -351,7 +355,8 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     for ic in model["init"]:
         mounts = list(ic.get("volumeMounts") or []) + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS]
         init.append({**ic, "volumeMounts": mounts, "image": container["image"],
-                     "securityContext": container["securityContext"], "resources": {}})
+                     "securityContext": container["securityContext"],
+                     "resources": init_resources(container["resources"])})
     if par["pipeline"] > 1:
         # Workers join the leader: wait until the leader's rendezvous port answers (rank 0 skips).
         wait = (
@@ -370,7 +375,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
             "command": ["python3", "-c", wait],
             "env": [e for e in env if e["name"] in ("SHOAL_PIPELINE_RANK", "SHOAL_LEADER_ADDR", "SHOAL_DIST_PORT")],
             "securityContext": container["securityContext"],
-            "resources": {},
+            "resources": init_resources(container["resources"]),
         })
 
     shm_limit = f"{max(1, par['tensor']) * SHM_GI_PER_TENSOR_RANK}Gi"
@@ -382,13 +387,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         # The runtime talks to no Kubernetes API: no token in its pods.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain + GRACE_MARGIN_SECONDS,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
         "enableServiceLinks": False,
     }
     if init:
@@ -446,66 +445,6 @@ def revision_hash(body: dict[str, Any]) -> str:
     return canonical_hash(pod_template(body, group=None), length=8)
 
 
-# ---------------------------------------------------------------- drift
-
-# Maps the API server replaces whole on apply (mapType atomic), so a key someone else
-# added there is drift we can repair: compare them exactly, not as a subset.
-ATOMIC_MAPS = ("selector", "matchLabels")
-_META_KEYS = ("labels", "annotations", "ownerReferences")
-
-
-def drift(desired: Any, live: Any, path: str = "") -> list[str]:
-    """Where a live object no longer holds what the operator set (paths), [] if it does.
-
-    The desired object is compared as a subset of the live one: fields the API server
-    defaults or other tools add are not drift, a changed or missing field we set is
-    (a StatefulSet scaled by hand, a Service selector given an extra label). Scalars are
-    compared as strings: the server returns quantities such as `2` as "2".
-    """
-    if isinstance(desired, dict):
-        if not isinstance(live, dict):
-            return [path or "/"]
-        if path.rsplit(".", 1)[-1] in ATOMIC_MAPS and all(not isinstance(v, (dict, list)) for v in desired.values()):
-            same = {k: str(v) for k, v in desired.items()} == {k: str(v) for k, v in live.items()}
-            return [] if same else [path]
-        out: list[str] = []
-        for key, want in desired.items():
-            if path == "metadata" and key not in _META_KEYS:
-                continue  # name/namespace address the object; the rest is the server's
-            if key not in live:
-                out.append(f"{path}.{key}".lstrip("."))
-            else:
-                out += drift(want, live[key], f"{path}.{key}".lstrip("."))
-        return out
-    if isinstance(desired, list):
-        if not isinstance(live, list) or len(live) != len(desired):
-            return [path]
-        return [p for i, (a, b) in enumerate(zip(desired, live)) for p in drift(a, b, f"{path}[{i}]")]
-    if str(desired) == str(live):
-        return []
-    a, b = _quantity(desired), _quantity(live)
-    return [] if a is not None and a == b else [path]
-
-
-_SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
-           "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_QUANTITY_RE = re.compile(r"^([+-]?[0-9.]+)(n|u|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-
-
-def _quantity(value: Any) -> float | None:
-    """A Kubernetes quantity's value (the server returns `0.5` as "500m", `1024Mi` as "1Gi"),
-    or None for anything else."""
-    if isinstance(value, bool):
-        return None
-    m = _QUANTITY_RE.match(str(value))
-    if not m:
-        return None
-    try:
-        return float(m.group(1)) * _SUFFIX[m.group(2) or ""]
-    except ValueError:
-        return None
-
-
 # ---------------------------------------------------------------- objects
 
 def _stamp(obj: dict[str, Any]) -> dict[str, Any]:
@@ -517,13 +456,11 @@ def _stamp(obj: dict[str, Any]) -> dict[str, Any]:
 def group_statefulset(body: dict[str, Any], revision: str, index: int,
                       cluster_domain: str = "cluster.local") -> dict[str, Any]:
     name = body["metadata"]["name"]
-    group = group_name(name, revision, index)
-    group_labels = {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}
+    group, group_labels = _group_labels(name, revision, index)
     template = pod_template(body, group, cluster_domain)
     template["metadata"]["labels"].update(group_labels)
     return _stamp({
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(body, group, group_labels),
         "spec": {
             "replicas": body["spec"]["parallelism"]["pipeline"],
@@ -541,12 +478,10 @@ def group_network_policy(body: dict[str, Any], revision: str, index: int) -> dic
     scraping): the rendezvous store (DIST_PORT) is unauthenticated, and the ranks' gloo/NCCL
     connections use ports of their own."""
     name = body["metadata"]["name"]
-    group = group_name(name, revision, index)
-    group_labels = {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}
+    group, group_labels = _group_labels(name, revision, index)
     mine = {"matchLabels": {L_DEPLOYMENT: name, L_GROUP: group}}
     return _stamp({
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": _meta(body, group, group_labels),
         "spec": {
             "podSelector": mine,
@@ -568,8 +503,7 @@ def model_cache_pvc(body: dict[str, Any]) -> dict[str, Any]:
     if cache.get("storageClassName"):
         spec["storageClassName"] = cache["storageClassName"]
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
         "metadata": _meta(body, model_cache_name(name), {"shoal.dev/model-cache": "true"}),
         "spec": spec,
     })
@@ -605,8 +539,7 @@ def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
             pod[key_] = copy.deepcopy(user[key_])
     labels = {"shoal.dev/model-cache": "true", "shoal.dev/model-key": key}
     return _stamp({
-        "apiVersion": "batch/v1",
-        "kind": "Job",
+        "apiVersion": "batch/v1", "kind": "Job",
         "metadata": _meta(body, f"{name}-fetch-{key}", labels),
         "spec": {
             "backoffLimit": 4,
@@ -620,12 +553,10 @@ def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
 
 def volcano_pod_group(body: dict[str, Any], revision: str, index: int) -> dict[str, Any]:
     """placement.gangScheduling Volcano: the group's PodGroup (all `pipeline` pods or none)."""
-    name = body["metadata"]["name"]
-    group = group_name(name, revision, index)
+    group, group_labels = _group_labels(body["metadata"]["name"], revision, index)
     return _stamp({
-        "apiVersion": "scheduling.volcano.sh/v1beta1",
-        "kind": "PodGroup",
-        "metadata": _meta(body, group, {L_GROUP: group, L_REVISION: revision, L_INDEX: str(index)}),
+        "apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup",
+        "metadata": _meta(body, group, group_labels),
         "spec": {"minMember": body["spec"]["parallelism"]["pipeline"]},
     })
 
@@ -645,8 +576,7 @@ def group_companions(body: dict[str, Any], revision: str, index: int) -> list[di
 def headless_service(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
+        "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(body, headless_name(name), {L_SERVICE: "headless"}),
         "spec": {
             "clusterIP": "None",
@@ -665,8 +595,7 @@ def traffic_service(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     shoal = routing_mode(body["spec"]) == "shoal"
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
+        "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(body, name, {L_SERVICE: "traffic"}),
         "spec": {
             "type": "ClusterIP",
@@ -679,8 +608,7 @@ def traffic_service(body: dict[str, Any]) -> dict[str, Any]:
 def _disruption_budget(body: dict[str, Any], metadata: dict[str, Any], selector: dict[str, str]) -> dict[str, Any]:
     """At most one of the selected pods voluntarily evicted at a time."""
     return _stamp({
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
         "metadata": metadata,
         "spec": {
             "maxUnavailable": 1,
@@ -708,8 +636,7 @@ def service_monitor(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     mon = body["spec"]["monitoring"]
     return _stamp({
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
         "metadata": _meta(body, name, dict(mon.get("labels") or {})),
         "spec": {
             # the Service over the leaders: `NAME` itself only where it selects them (mode service)
@@ -725,8 +652,7 @@ def pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     mon = body["spec"]["monitoring"]
     return _stamp({
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
         "metadata": _meta(body, f"{name}-pods", dict(mon.get("labels") or {})),
         "spec": {
             # workers only: leaders are scraped once, by the ServiceMonitor over the traffic Service
@@ -746,14 +672,7 @@ ROUTER_FILES_SIZE = "1Gi"
 # The router needs the model's config and tokenizer, not its weights: for hf:// it fetches
 # only these (a separate script: FETCH_SCRIPT is part of the groups' revision hash).
 ROUTER_FILE_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
-ROUTER_FETCH_SCRIPT = (
-    "import os\n"
-    "from huggingface_hub import snapshot_download\n"
-    "snapshot_download(repo_id=os.environ['SHOAL_MODEL_REPO'],"
-    " revision=os.environ['SHOAL_MODEL_REVISION'],"
-    " local_dir=os.environ['SHOAL_MODEL_DIR'],"
-    f" allow_patterns={ROUTER_FILE_PATTERNS!r})\n"
-)
+ROUTER_FETCH_SCRIPT = _fetch_script(f", allow_patterns={ROUTER_FILE_PATTERNS!r}")
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 
 # Every routing object any mode renders: (apiVersion, kind, name suffix); a mode switch
@@ -839,8 +758,7 @@ def router_deployment(body: dict[str, Any], cluster_domain: str = "cluster.local
     router = spec["routing"]["router"]
     user = spec.get("podTemplate") or {}
     model = router_model_plan(spec, name)
-    security = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                "runAsNonRoot": True, "readOnlyRootFilesystem": True}
+    security = _container_security()
     resources = {part: dict(router["resources"][part])
                  for part in ("requests", "limits") if (router.get("resources") or {}).get(part)}
     writable = [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS]
@@ -851,13 +769,7 @@ def router_deployment(body: dict[str, Any], cluster_domain: str = "cluster.local
         "args": router_args(body, model["arg"], cluster_domain),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": resources,
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"},
-                         "periodSeconds": 5, "failureThreshold": ROUTER_STARTUP_SECONDS // 5, "timeoutSeconds": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                          "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"},
-                           "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 3},
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        **_probes(startup_period=5, startup_seconds=ROUTER_STARTUP_SECONDS, startup_timeout=3),
         "volumeMounts": writable + model["mounts"],
         "securityContext": security,
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -872,8 +784,7 @@ def router_deployment(body: dict[str, Any], cluster_domain: str = "cluster.local
         "automountServiceAccountToken": False,
         # a held request may wait pendingTimeoutSeconds before it is answered
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + router["pendingTimeoutSeconds"] + GRACE_MARGIN_SECONDS,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": _pod_security(),
         "enableServiceLinks": False,
         "topologySpreadConstraints": [{
             "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
@@ -892,8 +803,7 @@ def router_deployment(body: dict[str, Any], cluster_domain: str = "cluster.local
     if not template["metadata"]["annotations"]:
         del template["metadata"]["annotations"]
     return _stamp({
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(body, router_name(name), {"app.kubernetes.io/component": "router"}),
         "spec": {
             "replicas": router["replicas"],
@@ -909,8 +819,7 @@ def leaders_service(body: dict[str, Any]) -> dict[str, Any]:
     resolves its A records to find the groups; the ServiceMonitor scrapes through it."""
     name = body["metadata"]["name"]
     return _stamp({
-        "apiVersion": "v1",
-        "kind": "Service",
+        "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(body, leaders_name(name), {L_SERVICE: "leaders"}),
         "spec": {
             "clusterIP": "None",
@@ -930,8 +839,7 @@ def router_pod_monitor(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     mon = body["spec"]["monitoring"]
     return _stamp({
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
         "metadata": _meta(body, router_name(name), dict(mon.get("labels") or {})),
         "spec": {
             "selector": {"matchLabels": router_selector_labels(name)},
@@ -949,8 +857,7 @@ def inference_pool(body: dict[str, Any]) -> dict[str, Any]:
     name = body["metadata"]["name"]
     picker = body["spec"]["routing"]["inferencePool"]["endpointPicker"]
     return _stamp({
-        "apiVersion": INFERENCE_POOL_API,
-        "kind": "InferencePool",
+        "apiVersion": INFERENCE_POOL_API, "kind": "InferencePool",
         "metadata": _meta(body, name),
         "spec": {
             "selector": {"matchLabels": leader_selector_labels(name)},
@@ -995,32 +902,49 @@ def shared_objects(body: dict[str, Any], cluster_domain: str = "cluster.local") 
     return objs
 
 
-def monitor_objects_absent(body: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(apiVersion, kind, name) of the monitors that must not exist (monitoring switched off)."""
-    name = body["metadata"]["name"]
-    if body["spec"]["monitoring"]["serviceMonitor"]:
-        return []
-    return [("monitoring.coreos.com/v1", "ServiceMonitor", name),
-            ("monitoring.coreos.com/v1", "PodMonitor", f"{name}-pods")]
+@dataclasses.dataclass(frozen=True)
+class Desired:
+    """One (defaulted) resource as the controller needs it: what to write, what to look for."""
+    body: dict[str, Any]
+    cluster_domain: str
+    revision: str
+    shared: list[dict[str, Any]]              # the objects the groups share, to apply
+    absent: list[tuple[str, str, str]]        # (apiVersion, kind, name): switched off or another routing mode
+    labels: dict[str, str]                    # every child's (to list them)
+    selector: str                             # status.selector: one leader per group
+    url: str | None                           # status.url; None with an InferencePool
+    router: tuple[str, dict[str, str]] | None  # mode shoal: the router Deployment's name, its pods' labels
+    cache_key: str | None                     # with the shared model cache: what it must hold
+    companion_kinds: tuple[tuple[str, str], ...] = COMPANION_KINDS
+
+    def group(self, index: int) -> list[dict[str, Any]]:
+        """A group's objects in the order to create them: companions first, the StatefulSet last."""
+        return group_companions(self.body, self.revision, index) + [
+            group_statefulset(self.body, self.revision, index, self.cluster_domain)]
+
+    def fetch_job(self) -> dict[str, Any]:
+        return model_fetch_job(self.body)
 
 
-def desired_replicas(body: dict[str, Any]) -> int:
-    spec, status = body["spec"], body.get("status") or {}
-    if spec["autoscaling"]["enabled"]:
-        lo, hi = spec["autoscaling"]["minReplicas"], spec["autoscaling"]["maxReplicas"]
-        current = status.get("desiredReplicas")
-        if current is None:
-            current = spec.get("replicas", lo)
-        return max(lo, min(hi, int(current)))
-    return int(spec["replicas"])
+def desired(body: dict[str, Any], cluster_domain: str = "cluster.local") -> Desired:
+    spec, name = body["spec"], body["metadata"]["name"]
+    mode = routing_mode(spec)
+    return Desired(
+        body=body, cluster_domain=cluster_domain, revision=revision_hash(body),
+        shared=shared_objects(body, cluster_domain),
+        absent=routing_objects_absent(body) + ([] if spec["monitoring"]["serviceMonitor"] else [  # monitoring off
+            ("monitoring.coreos.com/v1", "ServiceMonitor", name),
+            ("monitoring.coreos.com/v1", "PodMonitor", f"{name}-pods")]),
+        labels=selector_labels(name), selector=selector(name),
+        url=None if mode == "inferencePool" else
+        serving_url(name, body["metadata"].get("namespace") or "default", cluster_domain),
+        router=(router_name(name), router_selector_labels(name)) if mode == "shoal" else None,
+        cache_key=model_cache_key(spec) if uses_model_cache(spec) else None)
 
 
 def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> list[dict[str, Any]]:
     """Everything the controller creates for a fresh resource (defaults applied first)."""
     body = defaults.apply_defaults(body)
-    revision = revision_hash(body)
-    groups = []
-    for i in range(desired_replicas(body)):
-        groups += group_companions(body, revision, i) + [group_statefulset(body, revision, i, cluster_domain)]
-    fetch = [model_fetch_job(body)] if uses_model_cache(body["spec"]) else []
-    return shared_objects(body, cluster_domain) + fetch + groups
+    d = desired(body, cluster_domain)
+    fetch = [d.fetch_job()] if d.cache_key else []
+    return d.shared + fetch + [obj for i in range(autoscale.desired_replicas(body)) for obj in d.group(i)]

@@ -11,7 +11,8 @@ Deployment's rolling update over ReplicaSets but with one group as the unit:
 - an old-revision group is removed once the new ready ones make it redundant;
 - on scale-down the least-loaded groups go first (not-ready ones before any).
 
-Terminating groups (being drained and deleted) count for nothing.
+Terminating groups (being drained and deleted) count for nothing, except that a new
+group never takes the index, so the name, of one still draining.
 
 `partition` (a staged rollout, as LeaderWorkerSet's): up to `partition` ready groups of
 older revisions are kept, and only `replicas - kept` groups move to the new revision;
@@ -110,6 +111,8 @@ def plan(groups: Sequence[Group], revision: str, replicas: int, max_surge: int, 
     room = ceiling - len(live)
     count = max(0, min(missing, room))
     if count:
-        p.create = free_indices({g.index for g in new}, count)
+        # Indices of every group of this revision, draining ones too: a draining group's
+        # StatefulSet still exists under that name until its pods are gone.
+        p.create = free_indices({g.index for g in groups if g.revision == revision}, count)
         p.reasons.append(f"create {count} group(s) of revision {revision}")
     return p

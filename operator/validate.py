@@ -28,6 +28,7 @@ def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[
     if not re.match(crd.NAME_PATTERN, name):
         out.append(crd.RULE_NAME_FORMAT["message"])
     spec = body["spec"]
+    out += replica_problems(spec)
     tensor = spec["parallelism"]["tensor"]
     res = spec.get("resources") or {}
     for part in ("limits", "requests"):
@@ -77,4 +78,20 @@ def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[
     interval = spec["monitoring"].get("interval", "15s")
     if not re.match(r"^0*[1-9][0-9]*(ms|s|m|h)$", str(interval)):
         out.append(f"monitoring.interval {interval!r} must be a duration > 0")
+    return out
+
+
+def replica_problems(spec: dict[str, Any]) -> list[str]:
+    """The group counts, within the CRD's bounds: the rollout planner trusts them (a negative
+    count would have it delete every group)."""
+    out = []
+    auto = spec.get("autoscaling") or {}
+    counts = {"replicas": (spec.get("replicas"), 0), "autoscaling.minReplicas": (auto.get("minReplicas"), 0),
+              "autoscaling.maxReplicas": (auto.get("maxReplicas"), 1)}
+    for field, (value, least) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= crd.MAX_REPLICAS:
+            out.append(f"{field} {value!r} must be an integer from {least} to {crd.MAX_REPLICAS}")
+    lo, hi = auto.get("minReplicas"), auto.get("maxReplicas")
+    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        out.append(crd.RULE_MIN_MAX["message"])
     return out

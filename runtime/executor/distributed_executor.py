@@ -3,7 +3,7 @@ every call broadcast to all ranks (see worker.py for the protocol, launch.py for
 the ranks start, join and watch each other).
 
 Options (EngineConfig.extra):
-  pipeline_layer_split   layers per stage, e.g. [20, 10] (default: models.llama.balanced_split)
+  pipeline_layer_split   layers per stage, e.g. [20, 10] (default: models.decoder.balanced_split)
   heartbeat_timeout      seconds without a heartbeat before a rank counts as dead (10)
   step_timeout           seconds one step may take before the group counts as hung (300)
   group_join_timeout     seconds to wait for every rank to join (600)

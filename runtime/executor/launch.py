@@ -115,7 +115,7 @@ def local_spec(config) -> GroupSpec:
 
 def check_parallel_shape(hf_config, tensor: int, pipeline: int, layer_split=None) -> None:
     """Refuse, before any process starts, a model that cannot be split this way."""
-    from shoal.runtime.models.llama import stage_layers
+    from shoal.runtime.models.decoder import stage_layers
 
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     problems = []

@@ -20,7 +20,7 @@ from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import pack_for_cpu
 from shoal.runtime.layers.sampler import Finished, SampleResult, SamplingMetadata, sample_on_device
-from shoal.runtime.models.llama import LlamaForCausalLM
+from shoal.runtime.models.decoder import DecoderForCausalLM
 from shoal.runtime.models.loader import iter_weights
 
 log = logging.getLogger(__name__)
@@ -57,14 +57,13 @@ class ModelRunner(Executor):
 
         self.ops = get_ops(config.attention_backend, self.device)
         with torch.device(self.device):
-            model = LlamaForCausalLM(hf_config, state, max_positions=max_model_len, layer_split=layer_split)
+            model = DecoderForCausalLM(hf_config, state, max_positions=max_model_len, layer_split=layer_split)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(self.dtype).eval()
-        self.model.cos_sin = self.model.cos_sin.float()
         self.cpu_decoder = None  # the C decode step, for small decode-only batches
         if self.device.type == "cpu":
             keep_freed_heap_memory()
-            if config.cpu_decode_max_seqs:
+            if config.cpu_decode_max_seqs and self.model.spec.plain:  # the C step is Llama's shape only
                 from shoal.runtime.models.cpu_llama import CpuDecoder
 
                 self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
@@ -145,7 +144,7 @@ class ModelRunner(Executor):
         with the C decode step: it reads the paged cache in place, and the decodes of a mixed
         step would find every row it advanced stale (a reload costs what a gather does). None
         on a GPU, where the kernels read the paged cache in place."""
-        if self.ops.backend != "torch" or self.cpu_decoder is not None or self.device.type != "cpu":
+        if self.ops.backend != "torch" or self.cpu_decoder is not None or self.device.type != "cpu" or self.model.windowed:
             return None
         m = self.model
         per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.dtype.itemsize

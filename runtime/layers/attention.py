@@ -28,23 +28,30 @@ class AttentionMetadata:
     decode_plan: DecodePlan | None = None  # torch backend: decode from the workspace mirror
 
 
-def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+           softcap: float = 0.0) -> torch.Tensor:
     """q [T, h, d], k/v [T, kvh, d] -> [T, h, d]. layer_cache is (kv, workspace): kv is
-    [2, num_blocks, block_size, kvh, d]; workspace is the decode mirror, or None."""
+    [2, num_blocks, block_size, kvh, d]; workspace is the decode mirror, or None. `window`
+    (a sliding window) and `softcap` (Gemma 2) go to the kernels only when set, so kernels
+    that know neither (the C step's prefill, the workspace) serve the models without them."""
     kv, workspace = layer_cache
     k_cache, v_cache = kv[0], kv[1]
     ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_tokens
+    extra = (window, softcap) if window or softcap else ()
 
     def decode():
         if meta.decode_plan is not None:
+            assert not extra, "the decode workspace attends over whole contexts, uncapped"
             return decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, workspace, meta.decode_plan, scale)
-        return ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                          scale, *extra)
 
     if nd == q.shape[0]:
         return decode()
     prefill = ops.paged_attention_prefill(
-        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, scale
+        q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+        *extra
     )
     if nd == 0:
         return prefill

@@ -22,14 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 from urllib.parse import unquote, urlparse
 
+from .families import ARCHITECTURES, model_type_of
 from .gguf_convert import convert_gguf
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 # name -> (package carrying the file, file name inside it)
 BUILTIN_MODELS = {
@@ -139,15 +139,16 @@ def _resolve_hf(repo_id: str, revision: str | None) -> Path:
 
 
 def load_config(model_dir: str | os.PathLike) -> "PretrainedConfig":
-    """The model's ``transformers`` config; only Llama-family decoders are accepted."""
+    """The model's ``transformers`` config; only the families of families.py are accepted. The
+    model_type decides the family (as transformers' Auto classes do): a supported architecture
+    with another model_type is refused rather than loaded into the wrong module."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
     raw = _read_json(model_dir / "config.json")
     archs = list(raw.get("architectures") or [])
-    if not archs and raw.get("model_type") in _MODEL_TYPES:  # some configs name only the model_type
-        archs = [_MODEL_TYPES[raw["model_type"]]]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    model_type = model_type_of(raw)
+    if model_type is None or raw.get("model_type") not in (None, *ARCHITECTURES.values()):
         got = ", ".join(archs) if archs else f"model_type {raw.get('model_type')!r} with no architectures"
         raise ValueError(
             f"unsupported model architecture ({got}) in {model_dir}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

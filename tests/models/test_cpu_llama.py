@@ -12,7 +12,7 @@ from shoal import LLM, SamplingParams
 from shoal.kernels import get_ops, reference
 from shoal.runtime.models.cpu_llama import CpuDecoder, cpu_supported, unsupported_reason
 from shoal.runtime.layers.attention import AttentionMetadata
-from shoal.runtime.models.llama import LlamaForCausalLM
+from shoal.runtime.models.decoder import DecoderForCausalLM
 from shoal.runtime.models.loader import iter_weights, load_config
 from engine_helpers import hf_greedy, make_tiny_model
 
@@ -23,7 +23,7 @@ NUM_BLOCKS = 160
 
 def load(model_dir):
     cfg = load_config(model_dir)
-    model = LlamaForCausalLM(cfg, max_positions=512)
+    model = DecoderForCausalLM(cfg, max_positions=512)
     model.load_weights(iter_weights(model_dir))
     return model.eval()
 

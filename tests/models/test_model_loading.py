@@ -410,10 +410,11 @@ def test_load_config_rejects_unsupported(tmp_path):
     for d, named in ((tmp_path / "a", "GPT2LMHeadModel"), (tmp_path / "b", "gpt2")):
         with pytest.raises(ValueError) as err:
             load_config(d)
-        for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        for arch in SUPPORTED_ARCHITECTURES:
             assert arch in str(err.value)
         assert named in str(err.value)
-    assert set(SUPPORTED_ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"} <= set(SUPPORTED_ARCHITECTURES)
 
 
 def test_iter_weights_sharded_and_bin(tmp_path):

@@ -12,7 +12,7 @@ import json
 import math
 import random
 
-from shoal.operator.autoscale import decide, raw_recommendation
+from shoal.operator.autoscale import decide, desired_replicas, raw_recommendation
 
 CONFIG = {"minReplicas": 1, "maxReplicas": 8, "targetQueueDepth": 32,
           "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300, "tolerance": 0.1}
@@ -167,3 +167,13 @@ def test_a_steady_recommendation_leaves_the_state_unchanged():
         states.append(json.dumps(d.state, sort_keys=True))
     # 29 rounds, three states: after the scale-up, steady, and once the creation seed left the window
     assert len(set(states)) <= 3, states
+
+
+def test_desired_replicas_is_the_spec_or_the_last_decision_within_bounds():
+    auto = {"enabled": True, "minReplicas": 2, "maxReplicas": 4}
+    assert desired_replicas({"spec": {"replicas": 3, "autoscaling": {**auto, "enabled": False}},
+                             "status": {"desiredReplicas": 1}}) == 3
+    assert desired_replicas({"spec": {"replicas": 3, "autoscaling": auto}}) == 3           # first sight
+    assert desired_replicas({"spec": {"replicas": 3, "autoscaling": auto}, "status": {"desiredReplicas": 9}}) == 4
+    assert desired_replicas({"spec": {"replicas": 1, "autoscaling": auto}}) == 2
+    assert desired_replicas({"spec": {"replicas": 3, "autoscaling": auto}, "status": {"desiredReplicas": 2}}) == 2

@@ -172,16 +172,34 @@ def stored(k: Any, plural: str) -> list[dict]:
 class ClusterPlayer:
     """Plays the StatefulSet controller + kubelet, and the garbage collector."""
 
-    def __init__(self, k: Any, ready_after: float = 0.2):
+    def __init__(self, k: Any, ready_after: float = 0.2, hold_deletions: bool = False):
         self.k = k
         self.ready_after = ready_after
         self.born: dict[str, float] = {}
         self.ready_groups_seen: list[int] = []
         self.stop = False
+        # The API server's foreground deletion: a deleted StatefulSet keeps its name, with a
+        # deletionTimestamp, until its pods are gone; here until the test calls release().
+        self.hold_deletions = hold_deletions
+        self.statefulsets_seen: set[str] = set()
+
+    async def release(self) -> None:
+        """The draining groups' pods are gone: their StatefulSets go (KMock deletes an object
+        whose deletionTimestamp is set once its finalizers are removed)."""
+        for sts in stored(self.k, "statefulsets"):
+            if sts["metadata"].get("deletionTimestamp"):
+                async with self.k.patch(f"{STS}/{sts['metadata']['name']}",
+                                        json={"metadata": {"finalizers": None}}) as resp:
+                    assert resp.status == 200, await resp.text()
 
     async def step(self) -> None:
         k = self.k
         stss = {s["metadata"]["name"]: s for s in stored(k, "statefulsets")}
+        self.statefulsets_seen |= set(stss)
+        for name, sts in stss.items():
+            if self.hold_deletions and not sts["metadata"].get("finalizers"):
+                async with k.patch(f"{STS}/{name}", json={"metadata": {"finalizers": ["foregroundDeletion"]}}) as resp:
+                    assert resp.status == 200, await resp.text()
         pods = stored(k, "pods")
         names = {p["metadata"]["name"] for p in pods}
         # StatefulSet controller: pods from the template, named <sts>-<ordinal>, with the pod-index label.
@@ -568,3 +586,58 @@ async def test_the_router_follows_the_resource(cluster):
             left = [o["metadata"]["name"] for o in await items(k, path)
                     if (o["metadata"].get("labels") or {}).get(render.L_DEPLOYMENT) == "demo"]
             assert left == [], (path, left)
+
+
+async def test_a_scale_up_while_groups_drain_takes_new_names(cluster):
+    """Issue 36: autoscaling 1..3 with a scale-down window; load to 3 groups, drop it (3 -> 1),
+    and put it back while the two removed groups still drain. The new groups must take names
+    no draining group holds, be created at once (the drain is held until the end here), and
+    events and status must count only StatefulSets that exist."""
+    k = cluster
+    player = ClusterPlayer(k, hold_deletions=True)
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 10,
+            "scaleDownStabilizationSeconds": 2}
+    FakeMetrics.depth = {"running": 25.0, "waiting": 5.0}
+    async with operator_running():
+        play = asyncio.create_task(player.run())
+        try:
+            async with k.post(IDF, json=idf(replicas=1, autoscaling=auto)) as resp:
+                assert resp.status in (200, 201)
+
+            def live_and_draining() -> tuple[list[str], list[str]]:
+                stss = stored(k, "statefulsets")
+                return (sorted(s["metadata"]["name"] for s in stss if not s["metadata"].get("deletionTimestamp")),
+                        sorted(s["metadata"]["name"] for s in stss if s["metadata"].get("deletionTimestamp")))
+
+            async def ready(n: int, draining: int):
+                st = ((await get(k, f"{IDF}/demo")) or {}).get("status") or {}
+                live, gone = live_and_draining()
+                return st.get("readyReplicas") == n and st.get("replicas") == n and len(live) == n \
+                    and len(gone) == draining and len(st.get("groups") or []) == n + draining and st
+            await eventually(lambda: ready(3, 0), timeout=60)
+
+            FakeMetrics.depth = {"running": 0.0, "waiting": 0.0}
+            st = await eventually(lambda: ready(1, 2), timeout=60)
+            first, draining = live_and_draining()
+            assert [g["name"] for g in st["groups"] if g["terminating"]] == draining
+
+            # The load is back while both still drain: three groups serve without waiting for them.
+            FakeMetrics.depth = {"running": 25.0, "waiting": 5.0}
+            st = await eventually(lambda: ready(3, 2), timeout=60)
+            live, still = live_and_draining()
+            assert still == draining and first[0] in live and not set(live) & set(draining)
+            names = [g["name"] for g in st["groups"]]
+            assert len(names) == len(set(names)) == 5 and set(names) == set(live) | set(draining)
+            assert {g["name"] for g in st["groups"] if not g["terminating"]} == set(live)
+
+            await player.release()
+            st = await eventually(lambda: ready(3, 0), timeout=30)
+            assert sorted(g["name"] for g in st["groups"]) == live
+        finally:
+            player.stop = True
+            await play
+        # One GroupCreated event per StatefulSet that ever existed, each naming its own.
+        created = [r.data.get("message", "") for r in list(k) if r.method == "POST" and r.resource is not None
+                   and r.resource.plural == "events" and r.data.get("reason") == "GroupCreated"]
+        named = sorted(m.split()[2] for m in created)   # "created group NAME (revision R)"
+        assert named == sorted(player.statefulsets_seen), created

@@ -7,6 +7,8 @@ import json
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
+from kubernetes.utils.quantity import parse_quantity
 
 from shoal.operator import defaults, render
 from shoal_op_helpers import ROOT, make_body
@@ -46,6 +48,8 @@ SPECS = {
         "nodeSelector": {"pool": "gpu"}, "env": [{"name": "X", "value": "1"}, {"name": "SHOAL_GROUP", "value": "no"}],
         "tolerations": [{"key": "gpu", "operator": "Exists"}], "metadata": {"labels": {"team": "a"}}}},
     "file": {"model": {"source": "file:///opt/models/tiny"}},
+    "cpu-guaranteed": {"resources": {"requests": {"cpu": "2", "memory": "4Gi"}}, "parallelism": {"pipeline": 2},
+                       "model": {"source": "hf://org/name"}},
     "hf-cache": {"model": {"source": "hf://org/name", "revision": "v2", "tokenSecret": {"name": "hf"},
                            "cache": {"enabled": True, "size": "40Gi", "storageClassName": "nfs"}},
                  "parallelism": {"pipeline": 2}, "podTemplate": {"nodeSelector": {"pool": "gpu"}}},
@@ -358,3 +362,97 @@ def test_volcano_gang_scheduling(defaulted):
     assert tpl["metadata"]["annotations"][render.A_VOLCANO_GROUP] == group
     assert tpl["spec"]["schedulerName"] == "volcano"
     assert objs.index(pg) < objs.index(sts) and rev in group
+
+
+@pytest.mark.parametrize("routing", [{}, {"mode": "service"},
+                                     {"mode": "inferencePool", "inferencePool": {"endpointPicker": {"name": "e"}}}])
+@pytest.mark.parametrize("monitor", [False, True])
+def test_desired_is_what_the_controller_writes_and_removes(defaulted, routing, monitor):
+    """Every routing and monitor object is either rendered or listed absent, never both; a
+    group's objects end with its StatefulSet, named as status and the rollout expect."""
+    body = defaulted(routing=routing, monitoring={"serviceMonitor": monitor})
+    d = render.desired(body)
+    rendered = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in d.shared}
+    optional = {(api, kind, "demo" + suffix) for api, kind, suffix in render.ROUTING_KINDS} | {
+        ("monitoring.coreos.com/v1", "ServiceMonitor", "demo"), ("monitoring.coreos.com/v1", "PodMonitor", "demo-pods")}
+    assert not rendered & set(d.absent) and optional <= rendered | set(d.absent)
+    assert render.render_all(body) == d.shared + d.group(0)
+    *companions, sts = d.group(2)
+    assert sts["kind"] == "StatefulSet" and sts["metadata"]["name"] == f"demo-{d.revision}-2"
+    assert {c["metadata"]["name"] for c in companions} == {sts["metadata"]["name"]}
+    assert (d.url is None) == (routing.get("mode") == "inferencePool")
+    assert (d.router is not None) == (routing.get("mode") is None)
+
+
+def pod_qos(pod_spec: dict) -> str:
+    """The pod's QoS class as Kubernetes computes it: the API server's defaulting (a container's
+    missing cpu/memory request takes its limit, init containers too), then GetPodQOS
+    (pkg/apis/core/v1/helper/qos/qos.go), transcribed; quantities parsed by the kubernetes client."""
+    requests: dict = {}
+    limits: dict = {}
+    guaranteed = True
+    for c in pod_spec["containers"] + pod_spec.get("initContainers", []):
+        res = c.get("resources") or {}
+        lim = {k: parse_quantity(v) for k, v in (res.get("limits") or {}).items() if k in ("cpu", "memory")}
+        req = {**lim, **{k: parse_quantity(v) for k, v in (res.get("requests") or {}).items() if k in ("cpu", "memory")}}
+        for k, v in req.items():
+            if v > 0:
+                requests[k] = requests.get(k, 0) + v
+        found = set()
+        for k, v in lim.items():
+            if v > 0:
+                found.add(k)
+                limits[k] = limits.get(k, 0) + v
+        guaranteed = guaranteed and {"cpu", "memory"} <= found
+    if not requests and not limits:
+        return "BestEffort"
+    if guaranteed and all(k in limits and limits[k] == v for k, v in requests.items()) and len(requests) == len(limits):
+        return "Guaranteed"
+    return "Burstable"
+
+
+def group_pod(objs: list) -> dict:
+    return next(o for o in objs if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("resources,qos", [
+    ({"requests": {"cpu": "2", "memory": "4Gi"}}, "Guaranteed"),            # limits follow the requests
+    ({"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "500m"}}, "Guaranteed"),
+    ({"limits": {"cpu": 2, "memory": "4Gi"}}, "Guaranteed"),                # requests default to limits
+    ({"requests": {"cpu": "2"}}, "Burstable"),                               # no memory: cannot be
+    ({"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}, "Burstable"),   # the user's limit
+    ({}, "BestEffort"),
+])
+@pytest.mark.parametrize("source,pipeline", [("builtin://smollm2-135m-instruct", 1), ("hf://org/name", 2)])
+def test_cpu_pods_are_guaranteed_where_the_spec_gives_requests(resources, qos, source, pipeline):
+    """Issue 32: a CPU pod gets a limit equal to each cpu/memory request it has no limit for; its
+    init containers (fetch-model, wait-for-leader) follow, as Kubernetes counts them in the class."""
+    objs = render.render_all(make_body(resources=resources, model={"source": source},
+                                       parallelism={"pipeline": pipeline}))
+    pod = group_pod(objs)
+    assert len(pod.get("initContainers", [])) == (source.startswith("hf://") + (pipeline > 1))
+    assert pod_qos(pod) == qos
+    main = pod["containers"][0]["resources"]
+    for key, value in (resources.get("requests") or {}).items():
+        assert main["requests"][key] == value and main["limits"][key] == (resources.get("limits") or {}).get(key, value)
+    for obj in objs:
+        validate_k8s(obj)
+
+
+def test_gpu_pods_and_routers_keep_the_resources_given():
+    spec = {"resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": 1}},
+            "routing": {"router": {"resources": {"requests": {"cpu": "250m", "memory": "512Mi"}}}}}
+    objs = render.render_all(make_body(**spec))
+    assert group_pod(objs)["containers"][0]["resources"] == {
+        "requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"nvidia.com/gpu": 1}}
+    router = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert router["containers"][0]["resources"] == {"requests": {"cpu": "250m", "memory": "512Mi"}}
+    assert pod_qos(group_pod(objs)) == "Burstable"
+
+
+def test_the_cpu_samples_are_guaranteed():
+    for name in ("smollm2-cpu.yaml", "smollm2-scale-to-zero.yaml"):
+        sample = yaml.safe_load((ROOT / "manifests" / "samples" / name).read_text())
+        pod = group_pod(render.render_all(sample))
+        assert pod_qos(pod) == "Guaranteed", name
+        assert pod["containers"][0]["resources"]["limits"]["cpu"] == "1"   # a whole CPU: an exclusive core

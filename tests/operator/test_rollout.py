@@ -96,12 +96,43 @@ def test_not_ready_old_groups_go_and_terminating_are_ignored():
               Group("x", "new", 0, ready=False, terminating=True)]
     p = plan(groups, "new", 2, 1, 0)
     assert "o1" in p.delete and "o2" not in p.delete
-    assert p.create == [0, 1][: len(p.create)] and len(p.create) == 1  # 2 live + 1 surge
+    # 2 live + 1 surge; index 0 is still the draining group's name (issue 36), so the new one takes 1
+    assert p.create == [1]
 
 
 def test_indices_are_reused_lowest_first():
     groups = [Group("r-0", "r", 0, True), Group("r-2", "r", 2, True)]
     assert plan(groups, "r", 4, 2, 0).create == [1, 3]
+
+
+def test_new_groups_never_take_a_draining_groups_index():
+    # Issue 36: a draining group's StatefulSet still exists under its name until its pods are gone.
+    groups = [Group("x-r-0", "r", 0, ready=True), Group("x-r-1", "r", 1, ready=False, terminating=True),
+              Group("x-r-2", "r", 2, ready=False, terminating=True)]
+    assert plan(groups, "r", 3, 1, 0).create == [3, 4]
+    # another revision's draining group has another name: its index is free for this one
+    assert plan([Group("x-old-0", "old", 0, ready=False, terminating=True)], "r", 1, 1, 0).create == [0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_scaling_while_groups_drain_never_reuses_a_name(seed):
+    """Deleted groups drain for a few ticks (their names still taken) while the count swings."""
+    rng = random.Random(seed)
+    live: dict[str, Group] = {}
+    draining: dict[str, int] = {}   # name -> ticks left
+    for step in range(60):
+        replicas = rng.choice([1, 3, 5])
+        view = list(live.values()) + [Group(n, "r", int(n.rsplit("-", 1)[1]), ready=False, terminating=True)
+                                      for n in draining]
+        p = plan(view, "r", replicas, 2, 1)
+        for name in p.delete:
+            live.pop(name)
+            draining[name] = rng.randint(1, 6)
+        for index in p.create:
+            name = f"x-r-{index}"
+            assert name not in live and name not in draining, (step, name)
+            live[name] = Group(name, "r", index, ready=True)
+        draining = {n: t - 1 for n, t in draining.items() if t > 1}
 
 
 def converge(cluster, revision, replicas, surge, unavailable, partition, floor):

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
+import jsonschema
 import pytest
 
 from shoal.operator import controller as ctl
 from shoal.operator import defaults, validate
 from shoal_op_helpers import FakeKube, make_body
-from test_crd import BAD, GOOD
+from test_crd import BAD, GOOD, validate_resource
 
 # The issue-19 cases of test_crd.BAD (the others are plain schema checks: types, bounds).
 ISSUE_19 = [k for k in BAD if k.startswith(("gpu", "mig", "extraArgs", "volume", "second", "SHOAL", "negative",
-                                             "pvc", "interval")) and k != "negative replicas"]
+                                             "pvc", "interval", "min > max")) or k == "negative replicas"]
 
 
 @pytest.mark.parametrize("case", ISSUE_19)
@@ -60,3 +61,31 @@ def test_a_service_account_needs_the_admins_leave():
     (sts,) = kube.of_kind("StatefulSet").values()
     pod = sts["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "reader" and pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("spec", [
+    {"replicas": -1}, {"replicas": 513}, {"replicas": "2"}, {"replicas": True},
+    {"autoscaling": {"enabled": True, "minReplicas": -1}},
+    {"autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 0}},
+    {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 3}},
+])
+def test_group_counts_outside_the_crds_bounds_are_refused(spec):
+    """Issue 36: the rollout planner trusts the count (a negative one would delete every group).
+    The CRD (schema and CEL, as the API server runs them) is the reference: it refuses each too."""
+    body = make_body(**spec)
+    assert validate.problems(defaults.apply_defaults(body))
+    with pytest.raises(jsonschema.ValidationError):
+        validate_resource(body)
+
+
+def test_a_negative_replica_count_deletes_no_group():
+    kube = FakeKube()
+    c = ctl.Controller(kube, events=lambda *a: None, clock=lambda: 1000.0)
+    body = make_body(replicas=2)
+    kube.put(body)
+    c.trigger("default", "demo")
+    assert len(kube.of_kind("StatefulSet")) == 2
+    body["spec"]["replicas"] = -1
+    c.trigger("default", "demo")
+    assert len(kube.of_kind("StatefulSet")) == 2
+    assert any(x["reason"] == "InvalidSpec" for x in body["status"]["conditions"])

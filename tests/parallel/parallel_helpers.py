@@ -13,7 +13,7 @@ NUM_BLOCKS = 20  # small enough that the mixed batch below preempts
 def kv_memory(hf_config, tp: int, pp: int, blocks: int = NUM_BLOCKS, split=None) -> int:
     """kv_cache_memory (bytes per rank) that yields exactly `blocks` blocks on every rank."""
     from shoal.runtime.distributed import ParallelState
-    from shoal.runtime.models.llama import head_dim_of, stage_layers
+    from shoal.runtime.models.decoder import head_dim_of, stage_layers
 
     layers = max(len(stage_layers(hf_config, ParallelState(pp_rank=p, pp_size=pp), split)) for p in range(pp))
     kv_heads = max(1, hf_config.num_key_value_heads // tp)

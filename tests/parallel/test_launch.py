@@ -205,7 +205,7 @@ def test_killing_a_rank_of_a_local_launch_ends_the_group(tiny_dir, victim):
 def test_default_split_balances_stage_weights(builtin_dir, pp, vocab):
     """Every stage gets a layer; the stages' weights (the last one's LM head included) are
     as even as whole layers allow (an LM head heavier than a share leaves the last stage one layer)."""
-    from shoal.runtime.models.llama import balanced_split, head_dim_of
+    from shoal.runtime.models.decoder import balanced_split, head_dim_of
     from shoal.runtime.models.loader import load_config
 
     cfg = load_config(builtin_dir)

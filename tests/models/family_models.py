@@ -1,0 +1,81 @@
+"""Tiny random-weight models of every dense family, made with transformers, and the
+reference they are checked against (transformers' own greedy generate and log-probs).
+
+Each config turns on what its family changes (sliding windows shorter than the prompts,
+soft-caps small enough to bite, multipliers far from 1, partial rotary with LongRoPE,
+per-layer-type RoPE), and every norm weight is randomized so that Gemma's (1 + w) and the
+q/k norms matter. (Phi-3's sequences stay inside its original context: past it, transformers
+drops its cache and re-rotates every key with the long factors, which a paged cache does not
+do; test_families checks the long table itself.)
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import torch
+
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+FAMILIES = {
+    "mistral": dict(sliding_window=8),
+    "qwen2": dict(use_sliding_window=True, sliding_window=12, max_window_layers=1, num_hidden_layers=3),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=3.0,
+                   final_logit_softcapping=5.0, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3,
+                   tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
+                        tie_word_embeddings=True),
+    "phi3": dict(original_max_position_embeddings=80, max_position_embeddings=256,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "original_max_position_embeddings": 80,
+                                  "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                  "long_factor": [1.5 + 0.5 * i for i in range(6)]}),
+    "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0),
+    "olmo2": dict(),
+}
+
+
+def make_family_model(path, builtin_dir, model_type: str, shard: bool = False, **overrides):
+    """A random model of `model_type` saved as an HF directory with the built-in tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {**BASE, **FAMILIES[model_type], **overrides}
+    cfg = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # ones (or zeros, for Gemma's 1 + w) would hide a norm applied wrongly
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path, **({"max_shard_size": "2MB"} if shard else {}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (builtin_dir / name).exists():
+            shutil.copy(builtin_dir / name, path / name)
+    return path, model
+
+
+def mixed_prompts(n: int = 8, seed: int = 3) -> list[list[int]]:
+    """Prompts of mixed length, most longer than the sliding windows above, one of one token."""
+    rng = random.Random(seed)
+    lengths = [1, 5, 9, 17, 23, 30, 36, 41][:n]
+    return [[rng.randrange(100, 40000) for _ in range(k)] for k in lengths]
+
+
+@torch.inference_mode()
+def hf_reference(model, prompts, max_new_tokens: int):
+    """transformers' greedy tokens for each prompt alone, and its first-step log-probabilities."""
+    tokens, first = [], []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        tokens.append(out[0, len(ids):].tolist())
+        first.append(torch.log_softmax(model(x).logits[0, -1].double(), -1))
+    return tokens, first
