@@ -60,10 +60,11 @@ def align_block_size(topk_ids, num_experts: int, block_m: int):
     Returns (sorted_ids [capacity] with num_pairs in padding slots, block_expert [capacity //
     block_m], num_padded [1]); capacity bounds the padded total from shapes alone.
     """
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).long()
     P, E = flat.numel(), num_experts
     flat = torch.where((flat >= 0) & (flat < E), flat, E)  # experts of other ranks: no slot
-    counts = torch.bincount(flat, minlength=E + 1)[:E]
+    # bincount reads its input's max on the host (a sync, no CUDA graph); a scatter does not
+    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))[:E]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     order = flat.argsort(stable=True)

@@ -209,12 +209,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
     """
     T, k = topk_ids.shape
     E = w13.shape[0]
-    flat = topk_ids.reshape(-1)
+    flat = topk_ids.reshape(-1).long()
     here = (flat >= 0) & (flat < E)
     flat = torch.where(here, flat, E)  # pairs for other ranks sort last, past every segment
     order = flat.argsort(stable=True)  # pair indices, expert by expert
     token = order // k
-    counts = torch.bincount(flat, minlength=E + 1)[:E]
+    # bincount reads its input's max on the host (a sync, no CUDA graph); a scatter does not
+    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))[:E]
     h = silu_and_mul(_grouped_linear(x[token], w13, counts))  # [T*k, I]
     y = _grouped_linear(h, w2, counts).float() * topk_weights.reshape(-1)[order, None].float()
     y = torch.where(here[order, None], y, 0.0)  # rows past the segments were never computed

@@ -54,6 +54,8 @@ def test_reference_takes_the_grouped_gemm_when_it_fits(monkeypatch):
 def test_reference_routing_edges(skew):
     inputs = _moe_inputs(9, 32, 16, 8, 2, torch.float32, skew=skew)
     _check(ref.fused_moe(*inputs), *inputs)
+    x, w13, w2, weights, ids = inputs
+    assert torch.equal(ref.fused_moe(x, w13, w2, weights, ids.int()), ref.fused_moe(*inputs))  # int32 ids too
     x, w13, w2, weights, ids = _moe_inputs(0, 32, 16, 8, 2, torch.float32)
     assert ref.fused_moe(x, w13, w2, weights, ids).shape == (0, 32)
 
@@ -87,6 +89,8 @@ def test_triton_skewed_routing_and_no_tokens():
 
     inputs = _moe_inputs(21, 32, 16, 8, 2, torch.float32, skew=True)  # two experts take every token
     _check(fused_moe.launch(*inputs, block_m=16, block_n=16, block_k=16), *inputs)
+    x, w13, w2, weights, ids = inputs
+    _check(fused_moe.launch(x, w13, w2, weights, ids.int(), block_m=16, block_n=16, block_k=16), *inputs)
     assert fused_moe.fused_moe(*_moe_inputs(0, 32, 16, 8, 2, torch.float32)).shape == (0, 32)
 
 
