@@ -88,8 +88,10 @@ def drive(dtypes, shapes=((32, 8, 128, 16), (12, 4, 80, 32), (8, 8, 96, 16), (8,
             norm.rms_norm(x, torch.zeros(H, dtype=dt), 1e-6, x)
             activation.silu_and_mul(x)
             E, I = 4, 128  # both grouped GEMMs of the experts (routing is torch, run for real)
-            ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3]])
-            fused_moe.fused_moe(x, torch.zeros(E, 2 * I, H, dtype=dt), torch.zeros(E, H, I, dtype=dt), torch.ones(4, 2), ids)
+            w13, w2 = torch.zeros(E, 2 * I, H, dtype=dt), torch.zeros(E, H, I, dtype=dt)
+            for T in (4, 128):  # decode-sized and prefill-sized tiles
+                ids = torch.arange(2 * T).view(T, 2) % E
+                fused_moe.fused_moe(torch.zeros(T, H, dtype=dt), w13, w2, torch.ones(T, 2), ids)
 
 
 def main(argv: list[str] | None = None) -> int:

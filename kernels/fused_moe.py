@@ -84,6 +84,8 @@ def align_block_size(topk_ids, num_experts: int, block_m: int):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):
     """SwiGLU experts, each token through its top-k (see reference.fused_moe for shapes)."""
+    if topk_ids.numel() >= 32 * w13.shape[0]:  # many rows per expert (prefill): taller tiles, as vLLM's defaults
+        return launch(x, w13, w2, topk_weights, topk_ids, block_m=64, block_n=64, block_k=32)
     return launch(x, w13, w2, topk_weights, topk_ids)
 
 

@@ -146,3 +146,18 @@ def test_triton_skips_other_ranks_experts():
     got = fused_moe.launch(*inputs, block_m=16, block_n=16, block_k=16)
     _check(got, *inputs)
     torch.testing.assert_close(got, ref.fused_moe(*inputs), **TOL[torch.float32])
+
+
+def test_triton_prefill_sized_routing_takes_tall_tiles(monkeypatch):
+    """Many rows per expert switch fused_moe to 64-row tiles; the result is the same."""
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    seen = []
+    launch = fused_moe.launch
+    monkeypatch.setattr(fused_moe, "launch", lambda *a, **k: seen.append(k.get("block_m", 16)) or launch(*a, **k))
+    inputs = _moe_inputs(70, 48, 24, 4, 2, torch.float32)
+    _check(fused_moe.fused_moe(*inputs), *inputs)
+    small = _moe_inputs(3, 48, 24, 4, 2, torch.float32)
+    _check(fused_moe.fused_moe(*small), *small)
+    assert seen == [64, 16]
