@@ -131,7 +131,8 @@ def _tp_rank(rank, init_file, cfg, weights, x, expert_parallel, results):
         n = block.experts.num_experts
         assert (e, i) == ((n // 2, 2 * block.experts.intermediate) if expert_parallel else (n, block.experts.intermediate))
         with torch.no_grad():
-            results.put((rank, block(get_ops("torch", "cpu"), x)))
+            # by value: a tensor would be sent as a handle to this process's memory, gone once it exits
+            results.put((rank, block(get_ops("torch", "cpu"), x).numpy().copy()))
     finally:
         dist.destroy_process_group()
 
@@ -159,4 +160,4 @@ def test_tensor_parallel_2_matches_transformers(model_type, expert_parallel):
             p.join(timeout=60)
     assert all(p.exitcode == 0 for p in procs)
     for rank in range(2):  # after the one all-reduce every rank holds the whole output
-        torch.testing.assert_close(got[rank], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(got[rank]), want, atol=1e-5, rtol=1e-5)
