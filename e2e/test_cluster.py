@@ -66,7 +66,8 @@ def sample() -> dict:
     spec = obj["spec"]
     spec["replicas"] = 1
     spec["autoscaling"]["enabled"] = False          # a small cluster: one group, no autoscaler noise
-    spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "3Gi"}}
+    # a small cluster: half a CPU reserved, up to two to burst (a request alone would now cap it: docs/operator.md)
+    spec["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "3Gi"}}
     # the router in front (routing.mode shoal): one small pod on a small cluster
     spec["routing"] = {"mode": "shoal", "router": {"replicas": 1, "resources": {
         "requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}}}

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-# Llama-architecture shapes unless a preset names its model_type. vocab 49152 everywhere a
+# Shapes, Llama's architecture unless a preset names its model_type. vocab 49152 everywhere a
 # workload's ids (up to 40,000) must fit.
 PRESETS: dict[str, dict] = {
     # PERFORMANCE.md's GPU model: Llama-3.2-1B's shape with SmolLM2's vocabulary, tied.
@@ -31,6 +31,12 @@ PRESETS: dict[str, dict] = {
     "tiny-step": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
                       max_position_embeddings=2048),
+    # issue 29's CPU throughput check: a Qwen3 (q/k norms, untied, head_dim != hidden / heads) about the
+    # built-in model's size
+    "qwen3-small": dict(model_type="qwen3", vocab_size=49152, hidden_size=512, intermediate_size=1536,
+                        num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=80,
+                        tie_word_embeddings=True, max_position_embeddings=8192,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     # smoke runs of the GPU check on CPU: a workload's ids fit, everything else tiny.
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
@@ -48,7 +54,6 @@ PRESETS: dict[str, dict] = {
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            tie_word_embeddings=True, max_position_embeddings=2048),
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5, hidden_act="silu")
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
@@ -78,7 +83,7 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
 def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = None, dtype: str = "bfloat16",
                       device: str = "cpu", seed: int = 0, initializer_range: float | None = None,
                       overwrite: bool = False, **overrides) -> Path:
-    """Create (or reuse) a random-weight HF directory of a preset's architecture; returns its path.
+    """Create (or reuse) a random-weight HF directory of the preset's architecture; returns its path.
 
     `device="cuda"` initialises the weights on the GPU (seconds for the 1B shape, against
     tens of seconds on a few CPU cores); the weights then come from the GPU's random
@@ -105,9 +110,8 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    model_type = fields.get("model_type", "llama")
-    arch_fields = {k: v for k, v in fields.items() if k != "model_type"}
-    cfg = AutoConfig.for_model(model_type, **arch_fields, architectures=[ARCHITECTURES[model_type]])
+    config_fields = dict(fields)
+    cfg = AutoConfig.for_model(config_fields.pop("model_type", "llama"), **config_fields)
     torch.manual_seed(seed)  # seeds the CUDA generators too
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))

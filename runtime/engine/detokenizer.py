@@ -40,12 +40,12 @@ def _stream(tokenizer, seq: Sequence):
     return seq.decode_stream
 
 
-def append_text(tokenizer, seq: Sequence, final: bool = False) -> str:
-    """Decode what the sequence's tokens since the last call added; returns the new text
-    (maybe ''). Held back while it ends in an incomplete character, unless `final`: then
+def append_text(tokenizer, seq: Sequence, final: bool = False, end: int | None = None) -> str:
+    """Decode what the sequence's tokens since the last call added (up to `end`); returns the new
+    text (maybe ''). Held back while it ends in an incomplete character, unless `final`: then
     only that incomplete tail is dropped. Offline requests without stop strings call this
     once, at the end, for all of their tokens (the engine reads no text before that)."""
-    ids = seq.token_ids
+    ids = seq.token_ids if end is None else seq.token_ids[:end]
     if (streaming := _stream(tokenizer, seq)) is not None:
         stream, rust = streaming
         if len(ids) == seq.read_offset + 1:  # a decode step's one token

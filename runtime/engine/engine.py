@@ -388,9 +388,16 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprob
         params = seq.request.params
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        # an EOS or stop token ends the text without its own (unless asked for), as vLLM's detokenizer
+        ends_here = num_output >= params.min_tokens and (
+            (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids)
+        seq.drop_last_text = ends_here and not params.include_stop_str_in_output
         # text each step only when someone reads it: stop strings, or outputs before the end
         stop = params.stop
-        delta = detokenizer.append_text(self.tokenizer, seq) if stop or params.output_kind != "final_only" else ""
+        delta = ""
+        if (stop or params.output_kind != "final_only") and not seq.drop_last_text:
+            delta = detokenizer.append_text(self.tokenizer, seq)
         if seq.matcher is not None:  # the grammar decides when the text ends (min_tokens, ignore_eos too)
             if not seq.matcher.accept_token(token):
                 self._finish(seq, "error", None)
@@ -399,7 +406,6 @@ class LLMEngine:
             if seq.matcher.is_terminated():
                 self._finish(seq, "stop", None)
                 return
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
         if num_output >= params.min_tokens:  # it may stop
             if not params.ignore_eos and token in self.eos_ids:
                 return self._finish(seq, "stop", None)
@@ -413,8 +419,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.remove(seq)
-        if not seq.params.stop and seq.params.output_kind == "final_only":
-            detokenizer.append_text(self.tokenizer, seq, final=True)  # all of its text, once
+        if not seq.params.stop and seq.params.output_kind == "final_only":  # all of its text, once
+            detokenizer.append_text(self.tokenizer, seq, final=True, end=len(seq.token_ids) - seq.drop_last_text)
 
     def warm_up_lengths(self, full: bool) -> list[int]:
         """Prompt lengths of the warm-up requests. A short one always; with `full` (on a GPU)

@@ -94,6 +94,7 @@ class Sequence:
         self.prefix_offset = self.read_offset = self.num_prompt_tokens
         self.decode_stream = None  # (tokenizers DecodeStream, its tokenizer), see detokenizer.py
         self.matcher = None  # its grammar's state (structured outputs), made when it first samples
+        self.drop_last_text = False  # its last token (an EOS or stop token) adds no text
 
     @property
     def params(self) -> SamplingParams:

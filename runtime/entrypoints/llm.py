@@ -65,19 +65,21 @@ class LLM:
         return [done[i] for i in ids]
 
     def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool | None = None, tools: list[dict] | None = None,
-             **template_kwargs):
+             chat_template_kwargs: dict | None = None, **template_kwargs):
         """One conversation (a list of {"role", "content"}) or a list of them. `tools` (OpenAI's
         function tools) go to the chat template; a model whose template ignores tools gets the
-        shipped Hermes template, as the server does (docs/tools.md). The calls are not parsed."""
-        from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, template_messages, tool_template
+        shipped Hermes template, as the server does (docs/tools.md). The calls are not parsed.
+        Template variables come as keyword arguments or, vLLM's way, as `chat_template_kwargs`
+        (`{"enable_thinking": False}`, docs/reasoning.md)."""
+        from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, named_template, template_messages, tool_template
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for c in conversations:
-            kw = dict(template_kwargs)
+            kw = dict(chat_template_kwargs or {}, **template_kwargs)
             if tools or has_tool_turns(c):
                 c = template_messages(c)
-                kw.update(tools=tools or None, chat_template=kw.get("chat_template") or tool_template(self.tokenizer, self.tokenizer.chat_template))
+                kw.update(tools=tools or None, chat_template=kw.get("chat_template") or tool_template(self.tokenizer, named_template(self.tokenizer.chat_template, True)))
             # the template already holds the special tokens: tokenize without adding them again
             text = self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **kw)
             prompts.append(self.tokenizer(text, add_special_tokens=False).input_ids)

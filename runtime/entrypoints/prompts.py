@@ -21,11 +21,27 @@ import copy
 import os
 import threading
 
-from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, tool_template
+from shoal.runtime.entrypoints.tool_parsers.chat_template import has_tool_turns, named_template, tool_template
 
 
 class PromptTooLong(ValueError):
     pass
+
+
+# apply_chat_template's own arguments: the server sets them, a request's chat_template_kwargs may not
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens", "self",
+})
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict | None:
+    """A request's chat_template_kwargs (vLLM's field): variables for the template; raises ValueError."""
+    for key in kwargs or ():
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs may not set {key!r}: the server sets it")
+    return kwargs
 
 
 def context_error(num_tokens: int, max_model_len: int, max_tokens: int | None = None) -> str:
@@ -91,13 +107,14 @@ class PromptTokenizer:
     def token_strs(self, ids: list[int]) -> list[str]:
         return self._tokenizer().convert_ids_to_tokens(ids)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool, add_special_tokens: bool = False, tools: list[dict] | None = None,
+                 template_kwargs: dict | None = None) -> list[int]:
         tok = self._tokenizer()
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        kw = {}
+        kw = dict(template_kwargs or {})  # a request's chat_template_kwargs, checked: no reserved names
         if tools or has_tool_turns(messages):  # a template that renders tools (docs/tools.md)
-            kw = {"tools": tools or None, "chat_template": tool_template(tok, self.chat_template)}
+            kw.update(tools=tools or None, chat_template=tool_template(tok, named_template(self.chat_template, True)))
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
         self._check_size(text, "the conversation")
         return tok(text, add_special_tokens=add_special_tokens)["input_ids"]

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shoal.runtime.entrypoints.prompts import check_template_kwargs
 from shoal.runtime.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP, SamplingParams
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -31,7 +32,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "kv_transfer_params": None,
     "cache_salt": None, "vllm_xargs": None, "mm_processor_kwargs": None, "chat_template": None,
-    "chat_template_kwargs": None, "continue_final_message": False, "documents": None,
+    "continue_final_message": False, "documents": None,
     "functions": None, "function_call": None, "audio": None, "modalities": None, "prediction": None,
     "reasoning_effort": None, "web_search_options": None, "echo": False,
 }
@@ -272,6 +273,14 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    # reasoning (docs/reasoning.md): variables for the chat template (Qwen3's enable_thinking), vLLM's fields
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        return check_template_kwargs(v)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
@@ -345,6 +354,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[dict] | None = None
+    reasoning_content: str | None = Field(None, description="with --reasoning-parser: the thinking, apart from content")
+    reasoning: str | None = Field(None, description="the same as reasoning_content (vLLM's newer name)")
 
 
 class ChatChoice(BaseModel):
@@ -393,6 +404,12 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        return check_template_kwargs(v)
 
     @field_validator("prompt")
     @classmethod

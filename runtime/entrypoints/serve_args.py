@@ -2,7 +2,8 @@
 
 vLLM's spellings a user types work too: --gpu-memory-utilization, --tokenizer (the model's
 own only), --chat-template, --max-logprobs, --root-path, --allowed-origins,
---disable-log-stats, --enable-auto-tool-choice, --tool-call-parser, --tool-parser-plugin."""
+--disable-log-stats, --enable-auto-tool-choice, --tool-call-parser, --tool-parser-plugin,
+--reasoning-parser."""
 
 from __future__ import annotations
 
@@ -52,8 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto" (the default when tools are given): parse the model\'s tool calls with --tool-call-parser')
     t.add_argument("--tool-call-parser", default=None,
-                   help="the parser that finds tool calls in the model's text: hermes, or one a --tool-parser-plugin registers (default: none)")
+                   help="the parser that finds tool calls in the model's text: hermes, llama3_json, mistral, or one a --tool-parser-plugin registers (default: none)")
     t.add_argument("--tool-parser-plugin", default=None, help="a Python file to import that registers tool-call parsers (default: none)")
+    r = parser.add_argument_group("reasoning (vLLM's flag; docs/reasoning.md)")
+    r.add_argument("--reasoning-parser", default=None,
+                   help="split the thinking out of chat answers into reasoning_content: qwen3 or deepseek_r1 (default: none)")
     g = parser.add_argument_group("server")
     # 0.0.0.0 by default: in a pod the kubelet probes the pod IP, so loopback would fail
     # every probe. Pass --host 127.0.0.1 to keep a workstation server private.
@@ -101,6 +105,14 @@ def _resolve_vllm_spellings(args: argparse.Namespace) -> None:
     if not 0 <= args.max_logprobs <= 20:
         raise SystemExit("--max-logprobs must be in [0, 20]")
     _check_tool_flags(args)
+    _check_reasoning_flags(args)
+
+
+def _check_reasoning_flags(args: argparse.Namespace) -> None:
+    from shoal.runtime.entrypoints.reasoning_parsers import reasoning_parser_names
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in reasoning_parser_names():
+        raise SystemExit(f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(reasoning_parser_names())}")
 
 
 def _check_tool_flags(args: argparse.Namespace) -> None:

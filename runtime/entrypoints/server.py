@@ -229,6 +229,7 @@ def serve(args) -> int:
         log_stats_interval=0.0 if getattr(args, "disable_log_stats", False) else getattr(args, "log_stats_interval", 10.0),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         freeze_gc=True,
     )
     _, asgi = build_asgi(state, getattr(args, "allowed_origins", None))

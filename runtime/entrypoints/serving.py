@@ -2,6 +2,7 @@
 
     check accepting, model, unsupported fields, priority     -> 400 / 404 / 503
     chat: tools, tool_choice, tool turns (tool_parsers/)     -> 400; a forced choice sets structured outputs
+    chat: --reasoning-parser (reasoning_parsers/)             the thinking apart from the content
     sampling params (bounded; top_k >= vocab is off)          -> 400
     admit (queue bound, before any work)                      -> 503 / 400 never fits
     prompt -> token ids on the tokenizer pool                  -> 400 too long, bad template
@@ -26,6 +27,7 @@ from shoal.runtime.entrypoints.errors import APIError, dumps, unavailable
 from shoal.runtime.entrypoints.job import Job, await_accepted, collect
 from shoal.runtime.entrypoints.prompts import PromptTooLong, context_error
 from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from shoal.runtime.entrypoints.reasoning_parsers.output import chat_output
 from shoal.runtime.entrypoints.render import Renderer
 from shoal.runtime.entrypoints.scoring import Extras
 from shoal.runtime.entrypoints.state import ServerState
@@ -172,15 +174,16 @@ class Serving:
         self._admit(1)
         await self._compile(req, params)
         ids = extras.truncated(await self._tokenize(state.prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt,
-                                                    False, tools.template_tools if tools else None, param="messages"))
+                                                    False, tools.template_tools if tools else None, req.chat_template_kwargs, param="messages"))
         self._check_fits(ids, max_tokens, param="messages")
+        tool_output = ToolOutput(tools, state.engine.tokenizer) if tools is not None and tools.mode != "none" else None
+        output = await chat_output(state, req, ids, tool_output)  # --reasoning-parser: reasoning_parsers/output.py
         self._admit(1)
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
         job.submit([ids], params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        tool_output = ToolOutput(tools, state.engine.tokenizer) if tools is not None and tools.mode != "none" else None
-        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras, tools=tool_output)
+        renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras, tools=output)
         return await self._respond(request, req, job, renderer)
 
     # -- vLLM's utility endpoints -----------------------------------------------------------
@@ -199,7 +202,7 @@ class Serving:
             if req.tools:
                 check_tools(req.tools)
             ids = await self._tokenize(prompts.chat_ids, request_messages(req.messages), req.add_generation_prompt, bool(req.add_special_tokens), req.tools,
-                                       param="messages")
+                                       req.chat_template_kwargs, param="messages")
         strs = await prompts.run(prompts.token_strs, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}
 

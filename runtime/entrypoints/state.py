@@ -19,10 +19,12 @@ logger = logging.getLogger("shoal.server")
 class ServerState:
     def __init__(self, config, *, api_key: str | None = None, max_waiting: int = 512, stall_timeout: float = 60.0, drain_timeout: float = 30.0, max_body_bytes: int = 8 * 2**20, engine_factory=None,
                  chat_template: str | None = None, max_logprobs: int = 20, log_stats_interval: float = 10.0,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, freeze_gc: bool = False):
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, freeze_gc: bool = False,
+                 reasoning_parser: str | None = None):
         self.config = config
         self.freeze_gc = freeze_gc  # `shoal serve`: the process serves this one engine for its life
         self.tool_call_parser, self.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice  # docs/tools.md
+        self.reasoning_parser = reasoning_parser  # docs/reasoning.md
         self.chat_template = chat_template
         self.max_logprobs = max_logprobs
         self.log_stats_interval = log_stats_interval

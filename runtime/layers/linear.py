@@ -4,9 +4,18 @@ Column-parallel layers split output features (no communication: each rank keeps 
 heads or its slice of the MLP); row-parallel layers split input features and all-reduce
 their partial sums. Vocab-parallel embedding and LM head split the vocabulary. With one
 rank they are plain linear layers.
+
+How a layer stores and multiplies its weight is its LinearMethod: `PlainLinear` keeps one
+float matrix (prepacked for oneDNN on CPU); quantized formats plug in their own method
+(which tensors a checkpoint holds, their layout, the kernel). The layers shard whatever the
+method holds by its Layout, so sharding is written once. A layer's optional `lora` hook adds
+an adapter's delta to the base output (before a row-parallel layer's all-reduce, so the
+partial sums of both meet in one reduce).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +26,49 @@ from shoal.runtime.distributed import SINGLE, ParallelState, shard_range, tp_all
 
 def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a stored tensor's output and input features lie (None: it has no such dim) and how
+    many features one stored element covers along each (int4 packed 8 to an int32: 8; a scale
+    per group of 128 inputs: 128). Sharding divides features by these."""
+
+    out_dim: int | None = 0
+    in_dim: int | None = 1
+    out_pack: int = 1
+    in_pack: int = 1
+
+
+class LinearMethod:
+    """How a linear layer holds and applies its weight. Subclasses: PlainLinear here, the
+    quantized formats elsewhere. Every tensor a method creates is a parameter of the layer,
+    named as in the checkpoint (weight, bias, qweight, scales, ...)."""
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        raise NotImplementedError
+
+    def layout(self, name: str) -> Layout:
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PlainLinear(LinearMethod):
+    """One float matrix [out, in]; on CPU in float32, prepacked for oneDNN (pack_for_cpu)."""
+
+    def create_weights(self, layer, out_features, in_features):
+        layer.weight = _param(out_features, in_features)
+
+    def layout(self, name):
+        return Layout(0, None) if name == "bias" else Layout(0, 1)
+
+    def apply(self, layer, x, bias):
+        return _linear(layer, x, bias)
+
+
+PLAIN = PlainLinear()
 
 
 def _onednn_ok(weight) -> bool:
@@ -34,7 +86,8 @@ def pack_for_cpu(model: nn.Module) -> int:
     included. Returns the number of layers packed."""
     count = 0
     for module in model.modules():
-        if isinstance(module, (MergedColumnLinear, RowLinear)) and _onednn_ok(module.weight):
+        if (isinstance(module, (MergedColumnLinear, RowLinear)) and isinstance(module.method, PlainLinear)
+                and _onednn_ok(module.weight)):
             module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, None)
             module.weight = None
             count += 1
@@ -50,31 +103,48 @@ def _linear(module, x, bias=None):
     return F.linear(x, module.weight, bias)
 
 
+def _narrow_copy(target: torch.Tensor, loaded: torch.Tensor, dim: int, at: int, start: int, count: int) -> None:
+    target.narrow(dim, at, count).copy_(loaded.narrow(dim, start, count))
+
+
 class MergedColumnLinear(nn.Module):
     """Several projections of one input fused into one matrix (gate/up), each split by rank."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], state: ParallelState = SINGLE, bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], state: ParallelState = SINGLE, bias: bool = False,
+                 method: LinearMethod = PLAIN):
         super().__init__()
         self.state = state
         self.local_sizes = [shard_range(size, state)[1] - shard_range(size, state)[0] for size in output_sizes]
         self.output_sizes = output_sizes
-        self.weight = _param(sum(self.local_sizes), input_size)
+        self._create(input_size, bias, method)
+
+    def _create(self, input_size: int, bias: bool, method: LinearMethod) -> None:
+        self.method, self.input_size = method, input_size
+        method.create_weights(self, sum(self.local_sizes), input_size)
         self.bias = _param(sum(self.local_sizes)) if bias else None
 
     def _rows(self, shard: int) -> tuple[int, int, int]:
-        """(offset in the fused weight, first row of the full weight, row count) for a shard."""
+        """(offset in the fused output, first output feature of the full projection, count) for a shard."""
         start, end = shard_range(self.output_sizes[shard], self.state)
         return sum(self.local_sizes[:shard]), start, end - start
 
-    def load(self, loaded: torch.Tensor, shard: int, is_bias: bool = False) -> None:
+    def load(self, loaded: torch.Tensor, shard: int, name: str = "weight") -> None:
+        """This rank's output features of projection `shard`, from its full checkpoint tensor `name`."""
+        layout = self.method.layout(name)
+        target = getattr(self, name).data
+        if layout.out_dim is None:  # one value for the whole projection (a per-tensor scale)
+            target[shard].copy_(loaded.reshape(()))
+            return
         offset, start, count = self._rows(shard)
-        target = self.bias if is_bias else self.weight
-        target.data[offset : offset + count].copy_(loaded[start : start + count])
+        p = layout.out_pack
+        _narrow_copy(target, loaded, layout.out_dim, offset // p, start // p, count // p)
 
     packed = None
+    lora = None  # an adapter hook: lora(layer, x, out) -> out with the delta added
 
     def forward(self, x):
-        return _linear(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(self, x, out)
 
 
 class QKVLinear(MergedColumnLinear):
@@ -82,7 +152,8 @@ class QKVLinear(MergedColumnLinear):
     replicated (each rank keeps the one its query heads use) when there are fewer KV heads
     than ranks."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, state: ParallelState = SINGLE, bias: bool = False):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, state: ParallelState = SINGLE,
+                 bias: bool = False, method: LinearMethod = PLAIN):
         tp = state.tp_size
         if num_heads % tp:
             raise ValueError(f"{num_heads} attention heads cannot be split across {tp} tensor-parallel ranks")
@@ -96,8 +167,7 @@ class QKVLinear(MergedColumnLinear):
         self.state = state
         self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.local_sizes = [self.local_heads * head_dim, self.local_kv_heads * head_dim, self.local_kv_heads * head_dim]
-        self.weight = _param(sum(self.local_sizes), hidden)
-        self.bias = _param(sum(self.local_sizes)) if bias else None
+        self._create(hidden, bias, method)
 
     def _rows(self, shard: int):
         offset = sum(self.local_sizes[:shard])
@@ -111,20 +181,31 @@ class QKVLinear(MergedColumnLinear):
 class RowLinear(nn.Module):
     """reduce=False leaves the partial sum to the caller (a block that adds several and reduces once)."""
 
-    def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, reduce: bool = True):
+    def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, method: LinearMethod = PLAIN,
+                 reduce: bool = True):
         super().__init__()
-        self.state = state
-        self.reduce = reduce
+        self.state, self.method, self.reduce = state, method, reduce
         self.start, end = shard_range(input_size, state)
-        self.weight = _param(output_size, end - self.start)
+        self.input_size = end - self.start
+        method.create_weights(self, output_size, self.input_size)
 
-    def load(self, loaded: torch.Tensor) -> None:
-        self.weight.data.copy_(loaded[:, self.start : self.start + self.weight.shape[1]])
+    def load(self, loaded: torch.Tensor, name: str = "weight") -> None:
+        """This rank's input features of the full checkpoint tensor `name`."""
+        layout = self.method.layout(name)
+        target = getattr(self, name).data
+        if layout.in_dim is None:  # nothing to split along the inputs (a per-channel or per-tensor scale)
+            target.copy_(loaded.reshape(target.shape))
+            return
+        p = layout.in_pack
+        _narrow_copy(target, loaded, layout.in_dim, 0, self.start // p, self.input_size // p)
 
     packed = None
+    lora = None
 
     def forward(self, x):
-        out = _linear(self, x)
+        out = self.method.apply(self, x, None)
+        if self.lora is not None:
+            out = self.lora(self, x, out)
         return tp_all_reduce(out, self.state) if self.reduce else out
 
 

@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from shoal.runtime.distributed import SINGLE, ParallelState, tp_all_reduce
 from shoal.runtime.layers.attention import AttentionMetadata, attend
-from shoal.runtime.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
+from shoal.runtime.layers.linear import PLAIN, MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
 from shoal.runtime.layers.moe import SparseMoeBlock
 from shoal.runtime.models.families import DecoderSpec, spec_of
 
@@ -93,12 +93,19 @@ class AllHeadsNorm(nn.Module):
         return (xf * torch.rsqrt(squares / self.total + self.eps)).to(x.dtype) * self.weight
 
 
+def plain_methods(name: str):
+    """Every linear layer unquantized (`method_for` of an unquantized model)."""
+    return PLAIN
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg, spec: DecoderSpec, layer: int, state: ParallelState):
+    def __init__(self, cfg, spec: DecoderSpec, layer: int, state: ParallelState, method_for=plain_methods):
         super().__init__()
         d = head_dim_of(cfg)
-        self.qkv_proj = QKVLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, state, spec.qkv_bias)
-        self.o_proj = RowLinear(cfg.num_attention_heads * d, cfg.hidden_size, state)
+        prefix = f"model.layers.{layer}.self_attn"
+        self.qkv_proj = QKVLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, state, spec.qkv_bias,
+                                  method=method_for(f"{prefix}.qkv_proj"))
+        self.o_proj = RowLinear(cfg.num_attention_heads * d, cfg.hidden_size, state, method=method_for(f"{prefix}.o_proj"))
         self.head_dim = d
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         self.window, self.softcap = spec.windows[layer], spec.attn_softcap
@@ -133,10 +140,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, spec: DecoderSpec, state: ParallelState):
+    def __init__(self, cfg, spec: DecoderSpec, layer: int, state: ParallelState, method_for=plain_methods):
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, state, spec.mlp_bias)
-        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, state)
+        prefix = f"model.layers.{layer}.mlp"
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, state, spec.mlp_bias,
+                                               method=method_for(f"{prefix}.gate_up_proj"))
+        self.down_proj = RowLinear(cfg.intermediate_size, cfg.hidden_size, state, method=method_for(f"{prefix}.down_proj"))
         self.gelu = spec.activation == "gelu_tanh"
 
     def forward(self, ops, x):
@@ -148,19 +157,20 @@ class DecoderLayer(nn.Module):
     """(x, residual) in and out: the residual stream is x + residual, added lazily by the next
     norm (RMSNorm's fused add); residual None means x is the stream itself."""
 
-    def __init__(self, cfg, spec: DecoderSpec, layer: int, state: ParallelState):
+    def __init__(self, cfg, spec: DecoderSpec, layer: int, state: ParallelState, method_for=plain_methods):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.norms, self.residual_scale = spec.norms, spec.residual_scale
         if spec.norms != "post":
             self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg, spec, layer, state)
+        self.self_attn = Attention(cfg, spec, layer, state, method_for)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         if spec.norms == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         if spec.norms != "pre":
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = SparseMoeBlock.from_config(cfg, state) if spec.moe_layers[layer] else MLP(cfg, spec, state)
+        self.mlp = (SparseMoeBlock.from_config(cfg, state) if spec.moe_layers[layer]
+                    else MLP(cfg, spec, layer, state, method_for))
 
     def forward(self, ops, positions, x, residual, kv_cache, meta, rope):
         if self.norms == "post":  # OLMo 2: stream + norm(attn(stream)), then the same with the MLP
@@ -215,13 +225,17 @@ def stage_layers(cfg, state: ParallelState, split: list[int] | None = None) -> r
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg, state: ParallelState = SINGLE, max_positions: int | None = None, layer_split=None):
+    """`method_for(name)` gives each linear layer its LinearMethod by its fused name (e.g.
+    model.layers.3.self_attn.qkv_proj): how a quantized checkpoint's tensors are held."""
+
+    def __init__(self, cfg, state: ParallelState = SINGLE, max_positions: int | None = None, layer_split=None,
+                 method_for=plain_methods):
         super().__init__()
         self.cfg, self.state = cfg, state
         self.spec = spec = spec_of(cfg)
         self.layer_range = stage_layers(cfg, state, layer_split)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, state) if state.is_first_stage else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i, state) for i in self.layer_range)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, i, state, method_for) for i in self.layer_range)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if state.is_last_stage else None
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None
@@ -310,15 +324,15 @@ class DecoderForCausalLM(nn.Module):
         attn = layer.self_attn
         if leaf in fused:
             target = attn.qkv_proj if parent == "self_attn" else layer.mlp.gate_up_proj
-            target.load(tensor, fused[leaf], is_bias=kind == "bias")
+            target.load(tensor, fused[leaf], kind)
         elif leaf == "qkv_proj":  # Phi-3: Q, K and V stacked on disk
             for shard, part in enumerate(tensor.split(attn.qkv_proj.output_sizes)):
-                attn.qkv_proj.load(part, shard, is_bias=kind == "bias")
+                attn.qkv_proj.load(part, shard, kind)
         elif leaf == "gate_up_proj":  # Phi-3: gate and up stacked on disk
             for shard, part in enumerate(tensor.chunk(2)):
-                layer.mlp.gate_up_proj.load(part, shard, is_bias=kind == "bias")
+                layer.mlp.gate_up_proj.load(part, shard, kind)
         elif leaf in ("o_proj", "down_proj"):
-            layer.get_submodule(module_name).load(tensor)
+            layer.get_submodule(module_name).load(tensor, kind)
         elif leaf in ("q_norm", "k_norm") and attn.qk_norm == "all":  # this rank's heads of the norm
             proj = attn.qkv_proj
             shard = 0 if leaf == "q_norm" else 1

@@ -154,3 +154,21 @@ def test_cumulative_logprob_absent_without_logprobs(llm, tokenizer):
     out = llm.generate([tokenizer("Hi").input_ids], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0]
     assert out.logprobs is None and out.cumulative_logprob is None
     assert not math.isnan(len(out.token_ids))
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "final_only"])
+def test_stop_and_eos_tokens_add_no_text(llm, tokenizer, kind):
+    """As vLLM's detokenizer: the token that ends a sequence (a stop token id, or EOS) is in its
+    token ids but not in its text, special or not, unless include_stop_str_in_output."""
+    prompt = tokenizer("Count: 1, 2, 3, 4,").input_ids
+    base = dict(max_tokens=20, temperature=0.0, skip_special_tokens=False, output_kind=kind)
+    free = llm.generate([prompt], SamplingParams(**base))[0].outputs[0]
+    tid = free.token_ids[3]
+    cut = free.token_ids.index(tid)
+    by_id = llm.generate([prompt], SamplingParams(**base, stop_token_ids=[tid]))[0].outputs[0]
+    assert by_id.token_ids[-1] == tid and by_id.text == tokenizer.decode(free.token_ids[:cut])
+    kept = llm.generate([prompt], SamplingParams(**base, stop_token_ids=[tid], include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].text == tokenizer.decode(free.token_ids[: cut + 1])
+    eos = tokenizer.eos_token_id
+    ended = llm.generate([prompt], SamplingParams(**base, logit_bias={eos: 100.0}))[0].outputs[0]
+    assert ended.token_ids == [eos] and ended.finish_reason == "stop" and ended.text == ""

@@ -31,6 +31,24 @@ def test_greedy_triton_equals_torch(tmp_path, builtin_dir):
     assert tokens["triton"] == tokens["torch"]
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3"])
+def test_families_on_triton_equal_transformers(tmp_path, builtin_dir, model_type):
+    """Gemma 2 through the Triton kernels (windowed and soft-capped attention, GeGLU, the sandwich
+    norms), Phi-3 (partial rotary through the Triton rotary kernel): transformers' greedy tokens."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from family_models import hf_reference, make_family_model, mixed_prompts
+
+    from shoal import LLM, SamplingParams
+
+    path, model = make_family_model(tmp_path, builtin_dir, model_type)
+    prompts = mixed_prompts(4, seed=5)  # 1 to 17 tokens: past Gemma's window of 8
+    want, _ = hf_reference(model, prompts, 4)
+    llm = LLM(model=str(path), attention_backend="triton", kv_cache_memory=2**22, max_num_batched_tokens=16, block_size=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_moe_model_greedy_triton_equals_torch(tmp_path, builtin_dir):
     """A Qwen2-MoE model (routed experts through fused_moe's grouped GEMMs, a gated shared expert)."""
     pytest.importorskip("triton")

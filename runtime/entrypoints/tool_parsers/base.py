@@ -20,8 +20,8 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def call_start(index: int, name: str) -> dict:
-    return {"tool_calls": [{"index": index, "id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}]}
+def call_start(index: int, name: str, call_id: str | None = None) -> dict:
+    return {"tool_calls": [{"index": index, "id": call_id or tool_call_id(), "type": "function", "function": {"name": name, "arguments": ""}}]}
 
 
 def call_arguments(index: int, fragment: str) -> dict:
@@ -82,6 +82,7 @@ class ToolParser:
     parsed and dropped (parallel_tool_calls: false keeps one)."""
 
     name = ""
+    keeps_special_tokens = False  # True: the format's markers are special tokens the text must keep (mistral)
 
     def __init__(self, tokenizer=None, max_calls: int | None = None):
         self.tokenizer = tokenizer

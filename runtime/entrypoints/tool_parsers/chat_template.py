@@ -41,6 +41,18 @@ def renders_tools(tokenizer, template: str) -> bool:
     return known
 
 
+def named_template(template, tools: bool):
+    """A tokenizer config may hold named templates (transformers turns its list into
+    {"default": ..., "tool_use": ...}; Hermes 2 Pro, Command R, some Mistral configs): the tool
+    one for a conversation with tools when there is one, else the default, as transformers
+    and vLLM choose. A single template is itself."""
+    if not isinstance(template, dict):
+        return template
+    if tools and "tool_use" in template:
+        return template["tool_use"]
+    return template.get("default")
+
+
 def tool_template(tokenizer, template: str | None) -> str:
     """The template for a conversation with tools or tool turns: the model's (or the one
     given with --chat-template) if it renders tools, else the shipped Hermes template."""

@@ -69,7 +69,10 @@ class ToolChoice:
         return schema
 
     def force(self, params) -> None:
-        """Set the sampling params' structured outputs for a forced choice."""
+        """Set the sampling params' structured outputs for a forced choice; keep special tokens
+        in the text for a parser whose markers are special tokens (mistral's [TOOL_CALLS])."""
+        if self.mode == "auto" and getattr(self.parser, "keeps_special_tokens", False):
+            params.skip_special_tokens = False
         schema = self.schema()
         if schema is None:
             return

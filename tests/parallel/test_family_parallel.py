@@ -1,0 +1,31 @@
+"""The families that change what tensor and pipeline parallelism must get right give
+transformers' greedy tokens across ranks: Gemma 3's per-layer windows and RoPE tables split
+over pipeline stages, Gemma 2's soft-caps and sandwich norms over tensor ranks, OLMo 2's q/k
+norm over all heads (a mean square summed across ranks, one KV head replicated on both), and
+Qwen3's per-head norms over both at once. A KV cache small enough to preempt, prefix caching on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # family_models
+
+from family_models import hf_reference, make_family_model  # noqa: E402
+from parallel_helpers import MAX_NEW, generate, mixed_prompts  # noqa: E402
+
+
+@pytest.mark.parametrize("model_type,tp,pp,overrides", [
+    ("gemma3_text", 1, 2, {}),
+    ("gemma2", 2, 1, {}),
+    ("olmo2", 2, 1, {"num_key_value_heads": 1}),
+    ("qwen3", 2, 2, {"num_hidden_layers": 4}),
+], ids=["gemma3-pp2", "gemma2-tp2", "olmo2-tp2-mqa", "qwen3-tp2xpp2"])
+def test_family_in_parallel_matches_transformers(tmp_path, builtin_dir, model_type, tp, pp, overrides):
+    path, model = make_family_model(tmp_path, builtin_dir, model_type, **overrides)
+    prompts = mixed_prompts()
+    want, _ = hf_reference(model, prompts, MAX_NEW)
+    tokens, _ = generate(path, tp, pp, prompts)
+    assert tokens == want
