@@ -188,6 +188,16 @@ def build_cases(dev, dtype, small: bool, tri) -> list[Case]:
     T, I = s(8192, 16), s(14336, 200)
     x = rnd(T, 2 * I)
     add("silu_and_mul", f"T={T} I={I}", "silu_and_mul", (x,), 3 * T * I * el)
+
+    # mixture of experts: Qwen3-30B-A3B's layer (128 experts, top-8), a decode batch and a prefill
+    H, I, E, k = s(2048, 64), s(768, 32), s(128, 8), s(8, 2)
+    w13, w2 = rnd(E, 2 * I, H) / H**0.5, rnd(E, H, I) / I**0.5
+    for T in s((64, 4096), (3, 40)):
+        scores = torch.rand(T, E, device=dev, generator=gen)
+        weights, ids = scores.softmax(-1).topk(k, dim=-1)
+        hit = int(ids.unique().numel())  # experts whose weights are read
+        add("fused_moe", f"T={T} H={H} I={I} E={E} k={k}", "fused_moe", (rnd(T, H), w13, w2, weights, ids),
+            3 * hit * I * H * el + 2 * T * H * el, 6 * T * k * I * H)
     return cases
 
 

@@ -69,7 +69,7 @@ def compile_instead_of_launch(arch: int, results: list):
 
 def drive(dtypes, shapes=((32, 8, 128, 16), (12, 4, 80, 32), (8, 8, 96, 16), (8, 1, 64, 32)), hidden=(576, 4096)):
     """Call every wrapper once per configuration, with CPU tensors (never launched)."""
-    from shoal.kernels import activation, cache_write, norm, paged_attention, rotary
+    from shoal.kernels import activation, cache_write, fused_moe, norm, paged_attention, rotary
 
     for dt in dtypes:
         for h, kvh, d, bs in shapes:
@@ -87,6 +87,11 @@ def drive(dtypes, shapes=((32, 8, 128, 16), (12, 4, 80, 32), (8, 8, 96, 16), (8,
             norm.rms_norm(x, torch.zeros(H, dtype=dt), 1e-6)
             norm.rms_norm(x, torch.zeros(H, dtype=dt), 1e-6, x)
             activation.silu_and_mul(x)
+            E, I = 4, 128  # both grouped GEMMs of the experts (routing is torch, run for real)
+            w13, w2 = torch.zeros(E, 2 * I, H, dtype=dt), torch.zeros(E, H, I, dtype=dt)
+            for T in (4, 128):  # decode-sized and prefill-sized tiles
+                ids = torch.arange(2 * T).view(T, 2) % E
+                fused_moe.fused_moe(torch.zeros(T, H, dtype=dt), w13, w2, torch.ones(T, 2), ids)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,3 +195,59 @@ def gelu_tanh_and_mul(x):
     """GeGLU (Gemma's MLP): x [T, 2I] -> gelu_tanh(gate) * up [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """SwiGLU experts, each token through its top-k: x [T, H] -> sum_j w_j * expert_{id_j}(x) [T, H].
+
+    w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H, I] its down
+    projection; topk_weights [T, k] (float32), topk_ids [T, k] int. An id outside [0, E) names
+    an expert this rank does not hold (expert parallelism): that pair adds nothing. The T*k
+    (token, expert) pairs are sorted by expert and each projection is one grouped GEMM over the
+    experts' segments, not a loop over experts. The result keeps x's dtype; the weighted sum
+    over k is taken in float32.
+    """
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    flat = topk_ids.reshape(-1).long()
+    here = (flat >= 0) & (flat < E)
+    flat = torch.where(here, flat, E)  # pairs for other ranks sort last, past every segment
+    order = flat.argsort(stable=True)  # pair indices, expert by expert
+    token = order // k
+    # bincount reads its input's max on the host (a sync, no CUDA graph); a scatter does not
+    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))[:E]
+    h = silu_and_mul(_grouped_linear(x[token], w13, counts))  # [T*k, I]
+    y = _grouped_linear(h, w2, counts).float() * topk_weights.reshape(-1)[order, None].float()
+    y = torch.where(here[order, None], y, 0.0)  # rows past the segments were never computed
+    return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+
+def _grouped_linear(rows, w, counts):
+    """rows [N, K] sorted by expert (counts[e] rows for expert e, then rows of no expert here),
+    w [E, Nout, K] -> [N, Nout]; rows past sum(counts) are left undefined."""
+    if _grouped_mm_fits(rows, w):
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(rows, w.transpose(1, 2), offs=offs)
+    # Fallback: every expert's segment padded to the longest one, then one bmm.
+    N = rows.shape[0]
+    out = rows.new_zeros(N, w.shape[1])
+    if N == 0 or int(counts.sum()) == 0:
+        return out
+    starts = counts.cumsum(0) - counts
+    steps = torch.arange(int(counts.max()), device=rows.device)
+    valid = steps[None, :] < counts[:, None]  # [E, longest]
+    padded = rows[(starts[:, None] + steps).clamp_(max=N - 1)] * valid[..., None]
+    out[: int(counts.sum())] = torch.bmm(padded, w.transpose(1, 2))[valid]
+    return out
+
+
+def _grouped_mm_fits(rows, w) -> bool:
+    """torch._grouped_mm (a CPU kernel in torch >= 2.9) takes float32/16 and bf16 operands whose
+    strides are multiples of 16 bytes; on CUDA it is left to the Triton kernel."""
+    size = rows.element_size()
+    return (
+        hasattr(torch, "_grouped_mm") and rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and w.dtype == rows.dtype and w.is_contiguous() and rows.is_contiguous()
+        and (rows.shape[1] * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
+        and rows.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    )

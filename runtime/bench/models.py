@@ -41,6 +41,18 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                  max_position_embeddings=2048),
+    # Qwen3-30B-A3B's layer (128 experts, top-8, expert width 768, 32/4 heads of 128) in 8 layers:
+    # the mixture-of-experts GPU figure (issue 29).
+    "qwen3-moe-a3b-8l": dict(model_type="qwen3_moe", vocab_size=49152, hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                             num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             tie_word_embeddings=False, max_position_embeddings=4096,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # the same routing (128 experts, top-8) at a size a CPU runs in seconds.
+    "qwen3-moe-tiny": dict(model_type="qwen3_moe", vocab_size=49152, hidden_size=128, intermediate_size=256,
+                           moe_intermediate_size=64, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           tie_word_embeddings=True, max_position_embeddings=2048),
 }
 COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-5, hidden_act="silu")
 SPECIAL = ["<unk>", "<s>", "</s>"]

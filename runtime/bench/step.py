@@ -41,6 +41,7 @@ BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSy
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_MARK = "shoal_bench::step"
 WINDOW_MARK = "shoal_bench::window"
+MOE_MARK = "shoal_bench::moe"  # each mixture-of-experts block's forward, while profiling
 
 
 def _summary(xs: list[float]) -> dict:
@@ -182,6 +183,7 @@ def analyze_trace(trace: dict, num_steps: int) -> dict:
     }
     per_step["stream_syncs"] = per_step["cudaStreamSynchronize"]
     step_ms = [u / 1e3 for u in step_us]
+    moe = _moe_figures([e for e in marks(MOE_MARK) if inside(e)], host_calls, kernels, sum(step_us), kernel_us, num_steps)
     return {
         "steps": num_steps,
         "marked_steps": len(steps),
@@ -194,7 +196,54 @@ def analyze_trace(trace: dict, num_steps: int) -> dict:
         "host_blocked_ms_per_step": statistics.fmean(blocked) / 1e3,
         "host_busy_ms_per_step": statistics.fmean(s - b for s, b in zip(step_us, blocked)) / 1e3,
         "per_step": per_step,
+        **moe,
     }
+
+
+def _moe_figures(marks, host_calls, kernels, step_us, kernel_us, num_steps) -> dict:
+    """The mixture-of-experts blocks' share of a step: host time inside their marks (on CPU, the
+    compute) and, on CUDA, the time of the kernels launched inside them (CUDA graphs hide those)."""
+    if not marks:
+        return {}
+    moe_us = sum(e["dur"] for e in marks)
+    out = {"moe_blocks_per_step": len(marks) / num_steps, "moe_host_ms_per_step": moe_us / 1e3 / num_steps,
+           "moe_share_of_step_time": moe_us / step_us if step_us else None}
+    if kernels:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in marks)
+        starts = [a for a, _ in spans]
+
+        def in_moe(e) -> bool:
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            return i >= 0 and e["ts"] < spans[i][1]
+
+        launched = {e.get("args", {}).get("correlation") for e in host_calls if "Launch" in e["name"] and in_moe(e)}
+        moe_kernel_us = sum(e["dur"] for e in kernels if e.get("args", {}).get("correlation") in launched - {None})
+        out["moe_kernel_ms_per_step"] = moe_kernel_us / 1e3 / num_steps
+        out["moe_share_of_kernel_time"] = moe_kernel_us / kernel_us if kernel_us else None
+    return out
+
+
+@contextmanager
+def marked_moe_blocks(executor):
+    """Wrap the forward of each mixture-of-experts block of a one-process runner in a profiler
+    mark (nothing to wrap for a model without experts, or ranks in other processes)."""
+    from torch.profiler import record_function
+
+    from shoal.runtime.layers.moe import SparseMoeBlock
+
+    model = getattr(executor, "model", None)
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)] if isinstance(model, torch.nn.Module) else []
+    for block in blocks:
+        def marked(*args, _forward=block.forward, **kwargs):
+            with record_function(MOE_MARK):
+                return _forward(*args, **kwargs)
+
+        block.forward = marked
+    try:
+        yield len(blocks)
+    finally:
+        for block in blocks:
+            del block.forward  # the class's forward again
 
 
 def profile_steps(engine, device: torch.device, num_steps: int, trace_path: str | None = None) -> dict:
@@ -203,7 +252,7 @@ def profile_steps(engine, device: torch.device, num_steps: int, trace_path: str 
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, marked_moe_blocks(engine.executor):
         with record_function(WINDOW_MARK):
             for _ in range(num_steps):
                 with record_function(STEP_MARK):
@@ -399,4 +448,9 @@ def format_result(r: dict) -> str:
                      f"{c['d2h_copies']:.0f} D2H, {c['stream_syncs']:.0f} stream syncs, {c['kernels']:.0f} kernels, "
                      f"{c['aten::copy_']:.0f} aten::copy_, {c['aten::index_put_']:.0f} index_put_, "
                      f"{c['aten::mm'] + c['aten::addmm']:.0f} mm/addmm, {c['aten::item'] :.0f} item")
+        if "moe_host_ms_per_step" in p:
+            lines.append(f"  experts: {p['moe_blocks_per_step']:.0f} MoE blocks a step, {p['moe_host_ms_per_step']:.2f} ms "
+                         f"({p['moe_share_of_step_time']:.1%} of the profiled step time)"
+                         + (f"; their kernels {p['moe_kernel_ms_per_step']:.3f} ms, {p['moe_share_of_kernel_time']:.1%} "
+                            "of kernel time" if p.get("moe_share_of_kernel_time") is not None else ""))
     return "\n".join(lines)

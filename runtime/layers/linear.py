@@ -179,9 +179,12 @@ class QKVLinear(MergedColumnLinear):
 
 
 class RowLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, method: LinearMethod = PLAIN):
+    """reduce=False leaves the partial sum to the caller (a block that adds several and reduces once)."""
+
+    def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, method: LinearMethod = PLAIN,
+                 reduce: bool = True):
         super().__init__()
-        self.state, self.method = state, method
+        self.state, self.method, self.reduce = state, method, reduce
         self.start, end = shard_range(input_size, state)
         self.input_size = end - self.start
         method.create_weights(self, output_size, self.input_size)
@@ -203,7 +206,7 @@ class RowLinear(nn.Module):
         out = self.method.apply(self, x, None)
         if self.lora is not None:
             out = self.lora(self, x, out)
-        return tp_all_reduce(out, self.state)
+        return tp_all_reduce(out, self.state) if self.reduce else out
 
 
 class VocabEmbedding(nn.Module):

@@ -4,7 +4,8 @@ Llama's shape (fused QKV and gate/up projections, RoPE, RMSNorm with fused resid
 tied or untied embeddings), with what each family changes read from its DecoderSpec
 (families.py): Gemma's sandwich norms as (1 + w), GeGLU and soft-caps, q/k norms (Qwen3,
 Gemma 3, OLMo 2), OLMo 2's post-norms, Granite's multipliers, Phi-3's fused checkpoint
-and LongRoPE, sliding windows per layer with their own RoPE (Gemma 3). Inputs are a flat
+and LongRoPE, sliding windows per layer with their own RoPE (Gemma 3), and mixture-of-experts
+blocks in place of the MLP (Mixtral, Qwen2/3-MoE: layers/moe.py). Inputs are a flat
 batch of T tokens (no padding); a pipeline stage holds only its own layers and passes
 (hidden, residual) on.
 """
@@ -18,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from shoal.runtime.distributed import SINGLE, ParallelState, tp_all_reduce
 from shoal.runtime.layers.attention import AttentionMetadata, attend
 from shoal.runtime.layers.linear import PLAIN, MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
+from shoal.runtime.layers.moe import SparseMoeBlock
 from shoal.runtime.models.families import DecoderSpec, spec_of
 
 
@@ -167,7 +169,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         if spec.norms != "pre":
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = MLP(cfg, spec, layer, state, method_for)
+        self.mlp = (SparseMoeBlock.from_config(cfg, state) if spec.moe_layers[layer]
+                    else MLP(cfg, spec, layer, state, method_for))
 
     def forward(self, ops, positions, x, residual, kv_cache, meta, rope):
         if self.norms == "post":  # OLMo 2: stream + norm(attn(stream)), then the same with the MLP
@@ -200,7 +203,9 @@ def balanced_split(cfg, pp_size: int) -> list[int]:
     if pp_size == 1:
         return [n]
     heads = cfg.num_attention_heads + 2 * cfg.num_key_value_heads
-    layer = cfg.hidden_size * (head_dim_of(cfg) * (heads + cfg.num_attention_heads) + 3 * cfg.intermediate_size)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0  # MoE: all experts held
+    width = experts * getattr(cfg, "moe_intermediate_size", cfg.intermediate_size) if experts else cfg.intermediate_size
+    layer = cfg.hidden_size * (head_dim_of(cfg) * (heads + cfg.num_attention_heads) + 3 * width)
     head = cfg.vocab_size * cfg.hidden_size
     share = (n * layer + head) / pp_size
     last = min(max(1, round((share - head) / layer)), n - (pp_size - 1))
@@ -311,6 +316,9 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError("the checkpoint held no decoder layer weights")
 
     def _load_layer(self, layer, rest: str, tensor, fused: dict, offset: float) -> None:
+        if isinstance(layer.mlp, SparseMoeBlock) and rest.startswith(("mlp.", "block_sparse_moe.")):
+            layer.mlp.load(rest.split(".", 1)[1], tensor)  # router, experts, shared expert (Mixtral: block_sparse_moe)
+            return
         module_name, kind = rest.rsplit(".", 1)  # e.g. self_attn.q_proj, weight
         parent, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
         attn = layer.self_attn

@@ -3,7 +3,7 @@
 A family is a handful of switches on the Llama-shaped decoder in decoder.py, read from its
 Hugging Face config the way transformers reads them: where the norms sit and whether they
 scale by (1 + w), q/k norms, the activation, multipliers, soft-caps, which layers attend
-through a sliding window and with which RoPE. `spec_of(cfg)` is the only place a model
+through a sliding window and with which RoPE, which layers route through experts. `spec_of(cfg)` is the only place a model
 type is named; the decoder asks the spec, never the model type.
 """
 
@@ -22,6 +22,9 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "GraniteForCausalLM": "granite",
     "Olmo2ForCausalLM": "olmo2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -42,6 +45,7 @@ class DecoderSpec:
     logit_scale: float = 1.0  # Granite: 1 / logits_scaling
     windows: list[int] = field(default_factory=list)  # per layer: 0 (global) or its sliding window
     rope_keys: list[str] = field(default_factory=list)  # per layer: which RoPE table (see decoder.rope_tables)
+    moe_layers: list[bool] = field(default_factory=list)  # per layer: a sparse mixture-of-experts block for its MLP
 
     @property
     def plain(self) -> bool:
@@ -49,7 +53,8 @@ class DecoderSpec:
         return (self.norms == "pre" and not self.norm_offset and not self.qk_norm and self.activation == "silu"
                 and not self.fused_checkpoint and self.embed_scale == 1.0 and self.residual_scale == 1.0
                 and self.attn_scale is None and not self.attn_softcap and not self.logit_softcap
-                and self.logit_scale == 1.0 and not any(self.windows) and len(set(self.rope_keys)) <= 1)
+                and self.logit_scale == 1.0 and not any(self.windows) and len(set(self.rope_keys)) <= 1
+                and not any(self.moe_layers))
 
 
 def model_type_of(raw: dict) -> str | None:
@@ -78,12 +83,13 @@ def spec_of(cfg) -> DecoderSpec:
     if t == "qwen2" and not getattr(cfg, "use_sliding_window", False):
         window = 0  # Qwen2 configs carry a sliding_window that only use_sliding_window turns on
     spec = DecoderSpec(
-        qkv_bias=bool(getattr(cfg, "attention_bias", t == "qwen2")),
+        qkv_bias=bool(getattr(cfg, "attention_bias", getattr(cfg, "qkv_bias", t == "qwen2"))),  # Qwen2-MoE: qkv_bias
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
         windows=[window if lt == "sliding_attention" else 0 for lt in layer_types],
         rope_keys=[lt if lt in _per_type_rope(cfg) else "" for lt in layer_types],
+        moe_layers=_moe_layers(cfg),
     )
-    if t == "qwen3":
+    if t in ("qwen3", "qwen3_moe"):
         spec.qk_norm = "head"
     elif t in ("gemma2", "gemma3_text"):
         spec.norms, spec.norm_offset, spec.activation = "sandwich", 1.0, "gelu_tanh"
@@ -107,6 +113,18 @@ def spec_of(cfg) -> DecoderSpec:
     if activation != expected and not (spec.activation == "gelu_tanh" and activation == "gelu_tanh"):
         raise ValueError(f"activation {activation!r} is not supported for {t} (expected {expected!r})")
     return spec
+
+
+def _moe_layers(cfg) -> list[bool]:
+    """Which layers hold a mixture-of-experts block, as transformers builds them: every one in
+    Mixtral; in Qwen2/3-MoE those past `mlp_only_layers` on every `decoder_sparse_step`-th."""
+    n = cfg.num_hidden_layers
+    if cfg.model_type == "mixtral":
+        return [True] * n
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
+        dense = set(cfg.mlp_only_layers or [])
+        return [i not in dense and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0 for i in range(n)]
+    return [False] * n
 
 
 def _per_type_rope(cfg) -> dict:

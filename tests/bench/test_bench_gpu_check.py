@@ -196,3 +196,43 @@ def test_random_model_loads_in_transformers_and_is_reused(tmp_path):
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert make_random_model("tiny-step", tmp_path / "m", dtype="bfloat16") == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
+
+
+def test_bench_step_reports_the_experts_share_of_a_moe_step(tmp_path, monkeypatch):
+    """qwen3-moe-tiny (2 sparse layers, 128 experts, top-8): each profiled step passes through
+    both MoE blocks, and they take a part of the step, not all of it."""
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
+    from shoal.runtime.cli import main
+
+    path = tmp_path / "step.json"
+    assert main(["bench", "step", "--random-model", "qwen3-moe-tiny", "--dtype", "float32", "--num-seqs", "8",
+                 "--prompt-len", "6", "--warmup-steps", "1", "--steps", "2", "--profile-steps", "2",
+                 "--json", str(path)]) == 0
+    prof = json.loads(path.read_text())["profile"]
+    assert prof["moe_blocks_per_step"] == 2
+    assert 0 < prof["moe_host_ms_per_step"] < prof["wall_ms_per_step"]
+    assert 0 < prof["moe_share_of_step_time"] < 1
+    assert "moe_share_of_kernel_time" not in prof  # CPU: no kernels to attribute
+
+
+def test_moe_share_from_a_gpu_shaped_trace():
+    """On CUDA the experts' share is that of the kernels launched inside their marks (by the
+    launch's correlation id), of all kernel time."""
+    from shoal.runtime.bench.step import MOE_MARK, STEP_MARK, WINDOW_MARK, analyze_trace
+
+    def x(cat, name, ts, dur, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **({"args": {"correlation": corr}} if corr else {})}
+
+    events = [
+        x("user_annotation", WINDOW_MARK, 0, 100), x("user_annotation", STEP_MARK, 0, 80),
+        x("user_annotation", MOE_MARK, 10, 20), x("user_annotation", MOE_MARK, 40, 20),
+        x("cuda_runtime", "cudaLaunchKernel", 12, 1, corr=1), x("cuda_runtime", "cudaLaunchKernel", 35, 1, corr=2),
+        x("cuda_runtime", "cudaLaunchKernel", 45, 1, corr=3),
+        x("kernel", "fused_moe_a", 20, 30, corr=1), x("kernel", "attention", 50, 10, corr=2),
+        x("kernel", "fused_moe_b", 60, 20, corr=3),
+    ]
+    r = analyze_trace({"traceEvents": events}, 1)
+    assert r["moe_blocks_per_step"] == 2 and r["moe_host_ms_per_step"] == pytest.approx(0.040)
+    assert r["moe_share_of_step_time"] == pytest.approx(40 / 80)
+    assert r["moe_kernel_ms_per_step"] == pytest.approx(0.050)
+    assert r["moe_share_of_kernel_time"] == pytest.approx(50 / 60)

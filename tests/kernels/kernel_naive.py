@@ -155,3 +155,19 @@ def finite(cache):
 
 TOL = {torch.float32: dict(atol=3e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3),
        torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """Token by token, expert by expert, in float64: sum_j weight_j * down(silu(gate) * up)."""
+    T, k = topk_ids.shape
+    I = w2.shape[2]
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(topk_ids[t, j])
+            if not 0 <= e < w13.shape[0]:  # another rank's expert
+                continue
+            gate_up = w13[e].double() @ x[t].double()
+            h = silu_and_mul(gate_up[None])[0] if I else gate_up[:0]
+            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ h)
+    return out

@@ -16,10 +16,10 @@ def test_cpu_table_checks_every_kernel_in_the_interpreter(capsys):
     pytest.importorskip("triton")
     assert bench.main(["--cpu", "--iters", "1", "--warmup", "0", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("write_kv_cache", "paged_", "rms_norm", "rotary", "silu"))]
+    rows = [line for line in out.splitlines() if line.startswith(("write_kv_cache", "paged_", "rms_norm", "rotary", "silu", "fused_moe"))]
     assert {r.split()[0] for r in rows} == {
         "write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rms_norm+residual",
-        "rotary_embedding", "silu_and_mul"}
+        "rotary_embedding", "silu_and_mul", "fused_moe"}
     assert all("  ok  " in r for r in rows), out
 
 

@@ -46,7 +46,7 @@ def make_family_model(path, builtin_dir, model_type: str, shard: bool = False, *
     """A random model of `model_type` saved as an HF directory with the built-in tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {**BASE, **FAMILIES[model_type], **overrides}
+    fields = {**BASE, **FAMILIES.get(model_type, {}), **overrides}  # other families: give every field
     cfg = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

@@ -51,11 +51,15 @@ def small_cache_llm(model_dir, tp: int, pp: int, batches_in_flight=None, **extra
                max_num_batched_tokens=128, batches_in_flight=batches_in_flight, extra=dict(extra))
 
 
-def generate(model_dir, tp: int, pp: int, prompts, batches_in_flight=None, **extra):
-    """Greedy tokens and stats of one engine; checks the group shuts down cleanly."""
+def generate(model_dir, tp: int, pp: int, prompts, batches_in_flight=None, params=None, outputs=None, **extra):
+    """Greedy tokens (or `params`') and stats of one engine; checks the group shuts down cleanly.
+    A list given as `outputs` receives the request outputs (logprobs and all)."""
     llm = small_cache_llm(model_dir, tp, pp, batches_in_flight, **extra)
     try:
-        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy())]
+        outs = llm.generate(prompts, params or greedy())
+        tokens = [o.outputs[0].token_ids for o in outs]
+        if outputs is not None:
+            outputs.extend(outs)
         stats = llm.engine.stats()
         executor = llm.engine.executor
         children = list(getattr(executor, "children", []))

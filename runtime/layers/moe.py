@@ -1,0 +1,173 @@
+"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) over ops.fused_moe.
+
+A router (softmax over the experts, top-k, optionally renormalised) picks each token's experts;
+the experts run as one fused grouped GEMM per projection (kernels/: reference.fused_moe and
+the Triton fused_moe), never a loop over experts. Tensor parallel: every rank holds each
+expert's slice of the intermediate dimension (as MergedColumnLinear/RowLinear split a dense
+MLP), the router is replicated, and the block ends in one all-reduce (the shared expert's
+partial sum joins the experts' before it).
+
+Checkpoint names, relative to the block (`block_sparse_moe.` in Mixtral, `mlp.` in Qwen):
+  gate.weight                                   router [E, H]
+  experts.N.{w1,w3,w2}.weight                   Mixtral: gate, up, down of expert N
+  experts.N.{gate,up,down}_proj.weight          Qwen2/3-MoE (what save_pretrained writes)
+  experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]   transformers' fused in-memory layout
+  shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight   Qwen2-MoE
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.runtime.distributed import SINGLE, ParallelState, shard_range, tp_all_reduce
+from shoal.runtime.layers.linear import MergedColumnLinear, RowLinear
+
+_GATE, _UP, _DOWN = 0, 1, 2
+_EXPERT_LEAVES = {"w1": _GATE, "w3": _UP, "w2": _DOWN, "gate_proj": _GATE, "up_proj": _UP, "down_proj": _DOWN}
+
+
+def _param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class FusedMoE(nn.Module):
+    """SwiGLU experts as two stacked weights: w13 [E_local, 2*I_local, H] (each expert's gate
+    rows, then its up rows) and w2 [E_local, H, I_local]. Over tensor-parallel ranks each holds
+    every expert's slice of I, or (expert_parallel) a run of whole experts, the pairs routed to
+    the others' skipped. forward returns this rank's partial sum."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
+                 expert_parallel: bool = False):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        if expert_parallel:
+            self.first_expert, last = shard_range(num_experts, state)
+            self.start, self.local = 0, intermediate
+        else:
+            self.first_expert, last = 0, num_experts
+            self.start, end = shard_range(intermediate, state)
+            self.local = end - self.start
+        self.w13 = _param(last - self.first_expert, 2 * self.local, hidden)
+        self.w2 = _param(last - self.first_expert, hidden, self.local)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """`name` relative to the experts: "N.w1.weight", "N.gate_proj.weight", "gate_up_proj", ..."""
+        s, n, I = self.start, self.local, self.intermediate
+        if name in ("gate_up_proj", "down_proj"):  # every expert at once
+            want = (self.num_experts, 2 * I, self.hidden) if name == "gate_up_proj" else (self.num_experts, self.hidden, I)
+            _check_shape(name, tensor, want)
+            tensor = tensor[self.first_expert : self.first_expert + self.w13.shape[0]]
+            if name == "gate_up_proj":
+                self.w13.data[:, :n].copy_(tensor[:, s : s + n])
+                self.w13.data[:, n:].copy_(tensor[:, I + s : I + s + n])
+            else:
+                self.w2.data.copy_(tensor[:, :, s : s + n])
+            return
+        parts = name.split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _EXPERT_LEAVES or parts[2] != "weight":
+            raise ValueError(f"unexpected expert weight {name!r}")
+        e, which = int(parts[0]), _EXPERT_LEAVES[parts[1]]
+        if e >= self.num_experts:
+            raise ValueError(f"expert {e} in the checkpoint, but the config has {self.num_experts}")
+        e -= self.first_expert
+        if not 0 <= e < self.w13.shape[0]:
+            return  # another rank's expert
+        if which == _DOWN:
+            _check_shape(name, tensor, (self.hidden, I))
+            self.w2.data[e].copy_(tensor[:, s : s + n])
+        else:
+            _check_shape(name, tensor, (I, self.hidden))
+            self.w13.data[e, which * n : (which + 1) * n].copy_(tensor[s : s + n])
+
+    def forward(self, ops, x, topk_weights, topk_ids):
+        if self.first_expert:  # ids of this rank's experts from 0; the others' fall outside and add nothing
+            topk_ids = topk_ids - self.first_expert
+        return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+
+
+def _check_shape(name, tensor, want) -> None:
+    if tuple(tensor.shape) != tuple(want):
+        raise ValueError(f"expert weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's shared expert, gated by sigmoid(shared_expert_gate(x)))."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
+                 renormalize: bool = True, shared_intermediate: int = 0, expert_parallel: bool = False):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"cannot route each token to {top_k} of {num_experts} experts")
+        self.state, self.top_k, self.renormalize = state, top_k, renormalize
+        self.gate = _param(num_experts, hidden)  # replicated: every rank routes alike
+        self.experts = FusedMoE(num_experts, hidden, intermediate, state, expert_parallel)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate:
+            self.shared_expert = SharedExpert(hidden, shared_intermediate, state)
+            self.shared_expert_gate = _param(1, hidden)
+
+    @classmethod
+    def from_config(cls, cfg, state: ParallelState = SINGLE, expert_parallel: bool = False) -> "SparseMoeBlock":
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
+        if cfg.model_type == "mixtral":  # always renormalises its top-k
+            return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, state,
+                       expert_parallel=expert_parallel)
+        if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
+            shared = getattr(cfg, "shared_expert_intermediate_size", 0) if cfg.model_type == "qwen2_moe" else 0
+            return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, state,
+                       renormalize=bool(cfg.norm_topk_prob), shared_intermediate=shared, expert_parallel=expert_parallel)
+        raise ValueError(f"no mixture-of-experts block for model type {cfg.model_type!r}")
+
+    def route(self, x):
+        """(topk_weights [T, k] float32, topk_ids [T, k]): softmax over every expert, then top-k."""
+        probs = F.linear(x, self.gate).float().softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, ops, x):
+        weights, ids = self.route(x)
+        out = self.experts(ops, x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(ops, x)
+        return tp_all_reduce(out, self.state)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """`name` relative to the block, e.g. "gate.weight", "experts.3.w1.weight" (module docstring)."""
+        if name == "gate.weight":
+            _check_shape(name, tensor, self.gate.shape)
+            self.gate.data.copy_(tensor)
+        elif name.startswith("experts."):
+            self.experts.load(name[len("experts."):], tensor)
+        elif self.shared_expert is not None and name == "shared_expert_gate.weight":
+            _check_shape(name, tensor, self.shared_expert_gate.shape)
+            self.shared_expert_gate.data.copy_(tensor)
+        elif self.shared_expert is not None and name.startswith("shared_expert."):
+            self.shared_expert.load(name[len("shared_expert."):], tensor)
+        else:
+            raise ValueError(f"unexpected mixture-of-experts weight {name!r}")
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP whose down projection leaves its partial sum unreduced (the block reduces)."""
+
+    def __init__(self, hidden: int, intermediate: int, state: ParallelState = SINGLE):
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(hidden, [intermediate] * 2, state)
+        self.down_proj = RowLinear(intermediate, hidden, state, reduce=False)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        leaf = name.removesuffix(".weight")
+        if leaf in ("gate_proj", "up_proj"):
+            self.gate_up_proj.load(tensor, _EXPERT_LEAVES[leaf])
+        elif leaf == "down_proj":
+            self.down_proj.load(tensor)
+        else:
+            raise ValueError(f"unexpected shared expert weight {name!r}")
+
+    def forward(self, ops, x):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

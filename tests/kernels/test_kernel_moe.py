@@ -1,0 +1,163 @@
+"""fused_moe: the torch reference (grouped GEMM and its padded-bmm fallback) and the Triton kernel
+(interpreter) against the naive token-by-token float64 version."""
+
+import pytest
+import torch
+
+import kernel_naive as naive
+from kernel_naive import TOL
+from shoal.kernels import reference as ref
+
+# (T tokens, H hidden, I expert intermediate, E experts, k per token)
+SHAPES = [(1, 32, 16, 4, 2), (7, 64, 48, 8, 2), (33, 48, 20, 6, 3), (5, 40, 24, 16, 4), (12, 32, 16, 3, 1)]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _moe_inputs(T, H, I, E, k, dtype, skew=False):
+    x = torch.randn(T, H).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I) / I**0.5).to(dtype)
+    scores = torch.rand(T, E)
+    if skew:  # every token prefers the same experts, most experts get nothing
+        scores[:, : k] += 10
+    weights, ids = scores.softmax(-1).topk(k, dim=-1)
+    return x, w13, w2, weights / weights.sum(-1, keepdim=True), ids
+
+
+def _check(got, x, w13, w2, weights, ids):
+    dtype = x.dtype
+    assert got.shape == x.shape and got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.double(), naive.fused_moe(x, w13, w2, weights, ids), **TOL[dtype])
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "padded_bmm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_reference(shape, dtype, grouped_mm, monkeypatch):
+    if not grouped_mm:
+        monkeypatch.setattr(ref, "_grouped_mm_fits", lambda rows, w: False)
+    inputs = _moe_inputs(*shape, dtype)
+    _check(ref.fused_moe(*inputs), *inputs)
+
+
+def test_reference_takes_the_grouped_gemm_when_it_fits(monkeypatch):
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref.fused_moe(*_moe_inputs(6, 32, 16, 4, 2, torch.float32))
+    assert len(calls) == 2  # gate/up and down: one grouped GEMM each, over every expert
+    ref.fused_moe(*_moe_inputs(6, 30, 16, 4, 2, torch.float32))  # 120-byte rows: not 16-byte aligned
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["spread", "skewed"])
+def test_reference_routing_edges(skew):
+    inputs = _moe_inputs(9, 32, 16, 8, 2, torch.float32, skew=skew)
+    _check(ref.fused_moe(*inputs), *inputs)
+    x, w13, w2, weights, ids = inputs
+    assert torch.equal(ref.fused_moe(x, w13, w2, weights, ids.int()), ref.fused_moe(*inputs))  # int32 ids too
+    x, w13, w2, weights, ids = _moe_inputs(0, 32, 16, 8, 2, torch.float32)
+    assert ref.fused_moe(x, w13, w2, weights, ids).shape == (0, 32)
+
+
+# ---------------------------------------------------------------- Triton (interpreter)
+
+triton_cases = pytest.mark.parametrize(
+    "shape,dtype,blocks",
+    [((1, 32, 16, 4, 2), torch.float32, (16, 16, 16)), ((7, 64, 48, 8, 2), torch.float32, (16, 32, 16)),
+     ((33, 48, 20, 6, 3), torch.float32, (16, 16, 32)), ((5, 40, 24, 16, 4), torch.float16, (16, 32, 16)),
+     ((12, 32, 16, 3, 1), torch.bfloat16, (32, 16, 16)), ((20, 64, 32, 4, 2), torch.float32, (16, 64, 64))],
+    ids=str,
+)
+
+
+@triton_cases
+def test_triton_matches_reference_and_naive(shape, dtype, blocks):
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs = _moe_inputs(*shape, dtype)
+    bm, bn, bk = blocks
+    got = fused_moe.launch(*inputs, block_m=bm, block_n=bn, block_k=bk)
+    _check(got, *inputs)
+    torch.testing.assert_close(got.float(), ref.fused_moe(*inputs).float(), **TOL[dtype])
+
+
+def test_triton_skewed_routing_and_no_tokens():
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs = _moe_inputs(21, 32, 16, 8, 2, torch.float32, skew=True)  # two experts take every token
+    _check(fused_moe.launch(*inputs, block_m=16, block_n=16, block_k=16), *inputs)
+    x, w13, w2, weights, ids = inputs
+    _check(fused_moe.launch(x, w13, w2, weights, ids.int(), block_m=16, block_n=16, block_k=16), *inputs)
+    assert fused_moe.fused_moe(*_moe_inputs(0, 32, 16, 8, 2, torch.float32)).shape == (0, 32)
+
+
+@pytest.mark.parametrize("T,E,k,bm", [(1, 8, 2, 16), (9, 4, 3, 16), (40, 6, 2, 32), (3, 64, 4, 16)])
+def test_align_block_size_gives_each_block_one_expert(T, E, k, bm):
+    pytest.importorskip("triton")
+    from shoal.kernels.fused_moe import align_block_size
+
+    ids = torch.rand(T, E).topk(k, dim=-1).indices
+    sorted_ids, block_expert, num_padded = align_block_size(ids, E, bm)
+    P = T * k
+    total = int(num_padded)
+    assert total % bm == 0 and total <= sorted_ids.numel()
+    assert (sorted_ids[total:] == P).all()  # beyond the padded total: only padding
+    used = sorted_ids[:total]
+    real = used[used < P].long()
+    assert sorted(real.tolist()) == list(range(P))  # every pair exactly once
+    flat = ids.reshape(-1)
+    for b in range(total // bm):  # each block's real pairs all go to the block's expert
+        block = sorted_ids[b * bm : (b + 1) * bm].long()
+        block = block[block < P]
+        assert len(block) and (flat[block] == int(block_expert[b])).all()
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+def _split_routing(T, H, I, E, k, dtype):
+    """Routing over 3E experts of which this rank holds the middle E: ids below 0 or from E on
+    name other ranks' experts (as a layer shifts global ids by its first expert)."""
+    x, w13, w2, _, _ = _moe_inputs(T, H, I, E, k, dtype)
+    weights, ids = torch.rand(T, 3 * E).softmax(-1).topk(k, dim=-1)
+    return x, w13, w2, weights, ids - E
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "padded_bmm"])
+def test_reference_skips_other_ranks_experts(grouped_mm, monkeypatch):
+    if not grouped_mm:
+        monkeypatch.setattr(ref, "_grouped_mm_fits", lambda rows, w: False)
+    inputs = _split_routing(17, 32, 16, 4, 3, torch.float32)
+    assert ((inputs[4] < 0) | (inputs[4] >= 4)).any() and ((inputs[4] >= 0) & (inputs[4] < 4)).any()
+    _check(ref.fused_moe(*inputs), *inputs)
+    x, w13, w2, weights, ids = inputs
+    none_here = ref.fused_moe(x, w13, w2, weights, ids.clamp(max=-1))
+    assert torch.equal(none_here, torch.zeros_like(x))
+
+
+def test_triton_skips_other_ranks_experts():
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs = _split_routing(17, 32, 16, 4, 3, torch.float32)
+    got = fused_moe.launch(*inputs, block_m=16, block_n=16, block_k=16)
+    _check(got, *inputs)
+    torch.testing.assert_close(got, ref.fused_moe(*inputs), **TOL[torch.float32])
+
+
+def test_triton_prefill_sized_routing_takes_tall_tiles(monkeypatch):
+    """Many rows per expert switch fused_moe to 64-row tiles; the result is the same."""
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    seen = []
+    launch = fused_moe.launch
+    monkeypatch.setattr(fused_moe, "launch", lambda *a, **k: seen.append(k.get("block_m", 16)) or launch(*a, **k))
+    inputs = _moe_inputs(70, 48, 24, 4, 2, torch.float32)
+    _check(fused_moe.fused_moe(*inputs), *inputs)
+    small = _moe_inputs(3, 48, 24, 4, 2, torch.float32)
+    _check(fused_moe.fused_moe(*small), *small)
+    assert seen == [64, 16]
