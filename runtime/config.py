@@ -39,6 +39,11 @@ class EngineConfig:
     # Schedule and prepare step N+1 while the device runs step N, its input tokens filled in on
     # the device (vLLM's --async-scheduling). None: on where it pays, a GPU in one process.
     async_scheduling: bool | None = None
+    # A quantized checkpoint's format is read from its config.json (quantization_config); this
+    # forces one: "fp8" quantizes a float checkpoint's linear weights at load (W8A8).
+    quantization: str | None = None
+    # "fp8": the KV cache in float8 e4m3 with per-tensor scales (twice the blocks); "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -53,6 +58,10 @@ class EngineConfig:
             raise ValueError(f"cpu_decode_max_seqs must be in [0, 256], got {self.cpu_decode_max_seqs}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be one of float32, float16, bfloat16, auto; got {self.dtype!r}")
+        if self.quantization not in (None, "fp8", "awq", "gptq", "compressed-tensors"):
+            raise ValueError(f"quantization must be fp8, awq, gptq or compressed-tensors; got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8; got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
 
@@ -103,6 +112,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"reuse the KV blocks of shared prompt prefixes (default: {'on' if d.enable_prefix_caching else 'off'})")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help=f"fcfs, or priority (lower 'priority' runs first) (default: {d.scheduling_policy})")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help=f"weights and activations (default: {d.dtype})")
+    g.add_argument("--quantization", "-q", choices=["fp8", "awq", "gptq", "compressed-tensors"],
+                   help="the checkpoint's quantization (default: read from its config.json; fp8 quantizes a float checkpoint at load)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], help=f"KV cache storage: auto (the model's dtype) or fp8 e4m3 (default: {d.kv_cache_dtype})")
     g.add_argument("--device", help=f"cpu or cuda (default: {d.device})")
     g.add_argument("--seed", type=int, help=f"seed of the engine's random state (default: {d.seed})")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help=f"attention kernels (default: {d.attention_backend})")

@@ -18,7 +18,8 @@ from shoal.runtime.executor.prompt_logprobs import PromptRows, score
 from shoal.runtime.executor.staging import Staging
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
-from shoal.runtime.layers.linear import pack_for_cpu
+from shoal.runtime.layers.linear import cast_and_finish, pack_for_cpu, quantized
+from shoal.runtime.layers.quantization import methods_for
 from shoal.runtime.layers.sampler import Finished, SampleResult, SamplingMetadata, sample_on_device
 from shoal.runtime.models.decoder import DecoderForCausalLM
 from shoal.runtime.models.loader import iter_weights
@@ -57,13 +58,14 @@ class ModelRunner(Executor):
 
         self.ops = get_ops(config.attention_backend, self.device)
         with torch.device(self.device):
-            model = DecoderForCausalLM(hf_config, state, max_positions=max_model_len, layer_split=layer_split)
+            model = DecoderForCausalLM(hf_config, state, max_positions=max_model_len, layer_split=layer_split,
+                                       method_for=methods_for(hf_config, config.quantization))
         model.load_weights(iter_weights(model_dir))
-        self.model = model.to(self.dtype).eval()
+        self.model = cast_and_finish(model, self.dtype).eval()
         self.cpu_decoder = None  # the C decode step, for small decode-only batches
         if self.device.type == "cpu":
             keep_freed_heap_memory()
-            if config.cpu_decode_max_seqs and self.model.spec.plain:  # the C step is Llama's shape only
+            if config.cpu_decode_max_seqs and self.model.spec.plain and not quantized(self.model):  # the C step is Llama's shape only
                 from shoal.runtime.models.cpu_llama import CpuDecoder
 
                 self.cpu_decoder = CpuDecoder.create(self.model)  # before oneDNN packing drops the plain weights
