@@ -91,3 +91,22 @@ def test_checkpoint_kv_scales_are_read(tiny, tmp_path):
     save_file(weights, str(tmp_path / "model.safetensors"))
     _, _, _, scales = _run(tmp_path, mixed_prompts(2), kv_cache_dtype="fp8")
     assert scales == (0.25, 0.5)
+
+
+def test_preemption_with_an_fp8_cache_keeps_the_tokens(tiny):
+    """Too few blocks for the batch: sequences are preempted and recomputed, and give the
+    tokens they give with room to spare."""
+    prompts = mixed_prompts()
+    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
+    results = []
+    for blocks in (256, 8):
+        llm = LLM(str(tiny), kv_cache_memory=blocks * 4096, max_num_batched_tokens=32, attention_backend="torch",
+                  kv_cache_dtype="fp8", cpu_decode_max_seqs=0)
+        try:
+            assert llm.engine.executor.kv_bytes_per_block() == 4096  # 2 layers x K,V x 16 tokens x 2 heads x 32, 1 byte
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            preemptions = llm.engine.stats().num_preemptions
+        finally:
+            llm.engine.shutdown()
+    assert preemptions > 0
+    assert results[1] == results[0]
