@@ -77,12 +77,15 @@ def quantize_gptq(name, w, group=128, perm=None):
     return tensors, _dequant(q, s, z, g_idx)
 
 
-def quantize_w4a16(name, w, group=128):
+def quantize_w4a16(name, w, group=128, symmetric=True):
+    """compressed-tensors packs signed values (and zero points) offset by 8: q - 8 + 8."""
     g_idx = torch.arange(w.shape[1]) // group
-    q, s, z = _int4_groups(w, group, True, g_idx)
+    q, s, z = _int4_groups(w, group, symmetric, g_idx)
     tensors = {f"{name}.weight_packed": _pack_nibbles(q.numpy(), 1),  # [out, in / 8], values offset by 8
                f"{name}.weight_scale": s.t().contiguous().half(),
                f"{name}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+    if not symmetric:
+        tensors[f"{name}.weight_zero_point"] = _pack_nibbles(z.t().to(torch.int64).numpy(), 0)  # [out / 8, groups]
     return tensors, _dequant(q, s, z, g_idx)
 
 
@@ -129,10 +132,10 @@ def quantization_config(fmt: str, group: int = 128) -> dict | None:
     if fmt in ("gptq", "gptq-act-order"):
         return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": fmt == "gptq-act-order",
                 "sym": True, "checkpoint_format": "gptq"}
-    if fmt == "ct-w4a16":
+    if fmt in ("ct-w4a16", "ct-w4a16-asym"):
         return {"quant_method": "compressed-tensors", "format": "pack-quantized",
                 "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                              "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                              "weights": {"num_bits": 4, "type": "int", "symmetric": fmt == "ct-w4a16",
                                                           "strategy": "group", "group_size": group}}},
                 "ignore": ["lm_head"]}
     if fmt == "fp8-at-load":
@@ -174,8 +177,8 @@ def quantize_checkpoint(model, path, fmt: str, prompts, group: int = 128, seed: 
                 perm = perms.setdefault(source, torch.randperm(w.shape[1], generator=gen))
             tensors, deq = quantize_gptq(name, w, group, perm)
             out.update(tensors)
-        elif fmt == "ct-w4a16":
-            tensors, deq = quantize_w4a16(name, w, group)
+        elif fmt.startswith("ct-w4a16"):
+            tensors, deq = quantize_w4a16(name, w, group, symmetric=fmt == "ct-w4a16")
             out.update(tensors)
         else:
             raise ValueError(fmt)

@@ -14,7 +14,7 @@ from shoal.runtime.layers.linear import MergedColumnLinear, QKVLinear, RowLinear
 from shoal.runtime.layers.quantization import methods_for
 
 GROUP = 32
-FORMATS = ["ct-fp8-tensor-static", "ct-fp8-channel-dynamic", "awq", "gptq", "gptq-act-order", "ct-w4a16"]
+FORMATS = ["ct-fp8-tensor-static", "ct-fp8-channel-dynamic", "awq", "gptq", "gptq-act-order", "ct-w4a16", "ct-w4a16-asym"]
 
 
 class Cfg:
@@ -29,7 +29,7 @@ def _quantize(fmt, name, w, perm, input_amax):
         return quantize_awq(name, w, GROUP)
     if fmt.startswith("gptq"):
         return quantize_gptq(name, w, GROUP, perm)
-    return quantize_w4a16(name, w, GROUP)
+    return quantize_w4a16(name, w, GROUP, symmetric=fmt == "ct-w4a16")
 
 
 def _fp8_round(x, fmt, amax):

@@ -16,9 +16,11 @@ from quant_checkpoints import fake_quant_activations, quantize_checkpoint
 from shoal import LLM, SamplingParams
 
 MAX_NEW = 8
-FORMATS = ["ct-fp8-tensor-static", "ct-fp8-channel-dynamic", "fp8-at-load", "awq", "gptq", "gptq-act-order", "ct-w4a16"]
+FORMATS = ["ct-fp8-tensor-static", "ct-fp8-channel-dynamic", "fp8-at-load", "awq", "gptq", "gptq-act-order", "ct-w4a16",
+           "ct-w4a16-asym"]
 METHODS = {"ct-fp8-tensor-static": "Fp8Linear", "ct-fp8-channel-dynamic": "Fp8Linear", "fp8-at-load": "Fp8Linear",
-           "awq": "AwqLinear", "gptq": "GptqLinear", "gptq-act-order": "GptqLinear", "ct-w4a16": "PackedInt4Linear"}
+           "awq": "AwqLinear", "gptq": "GptqLinear", "gptq-act-order": "GptqLinear", "ct-w4a16": "PackedInt4Linear",
+           "ct-w4a16-asym": "PackedInt4Linear"}
 
 
 def quantized_model(path, builtin_dir, fmt):

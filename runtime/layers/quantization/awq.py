@@ -9,22 +9,14 @@ import torch
 from shoal.runtime.layers.linear import Layout
 from shoal.runtime.layers.quantization.int4 import Int4Linear, float_param, group_count, int_param, unpack_columns
 
-PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a packed element holds column PACK_ORDER[i] of its eight
-UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j lies in nibble UNPACK_ORDER[j]
+# AutoAWQ puts column (0, 2, 4, 6, 1, 3, 5, 7)[i] of each eight in nibble i: column j lies in nibble UNPACK_ORDER[j]
+UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     """[R, C / 8] -> [R, C] in column order."""
     nibbles = unpack_columns(packed).reshape(packed.shape[0], -1, 8)
     return nibbles[..., list(UNPACK_ORDER)].reshape(packed.shape[0], -1)
-
-
-def awq_pack(q: torch.Tensor) -> torch.Tensor:
-    """The inverse (what AutoAWQ writes): [R, C] in 0..15 -> [R, C / 8] int32."""
-    from shoal.kernels.quant_reference import pack_int4_rows
-
-    order = q.reshape(q.shape[0], -1, 8)[..., list(PACK_ORDER)].reshape(q.shape[0], -1)
-    return pack_int4_rows(order.t().contiguous()).t().contiguous()
 
 
 class AwqLinear(Int4Linear):

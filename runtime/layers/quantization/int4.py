@@ -34,8 +34,6 @@ def is_row(layer) -> bool:
 
 
 class Int4Linear(LinearMethod):
-    bits = 4
-
     def __init__(self, group_size: int):
         self.group_size = group_size
 
