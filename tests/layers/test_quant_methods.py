@@ -119,6 +119,24 @@ def test_fp8_at_load_quantizes_a_float_layer_per_channel():
     torch.testing.assert_close(layer(x), _fp8_round(x, "dynamic", 0) @ ((w / scale).to(FP8).float() * scale).t())
 
 
+def test_vllm_fp8_checkpoint_layout_loads_per_tensor_scales():
+    """vLLM's own fp8 checkpoints (quant_method fp8): a scalar weight_scale and input_scale per projection."""
+    torch.manual_seed(3)
+    weights = [torch.randn(32, 64) * 0.1 for _ in range(2)]
+    method = methods_for(Cfg({"quant_method": "fp8", "activation_scheme": "static"}))("l.gate_up_proj")
+    layer = MergedColumnLinear(64, [32, 32], method=method)
+    deqs = []
+    for shard, w in enumerate(weights):
+        tensors, deq = quantize_fp8("p", w, input_amax=2.0 + shard)
+        for kind, t in tensors.items():
+            layer.load(t.reshape(()) if t.numel() == 1 else t, shard, kind.split(".", 1)[1])
+        deqs.append(deq)
+    cast_and_finish(layer, torch.float32)
+    x = torch.randn(4, 64)
+    torch.testing.assert_close(layer(x), _fp8_round(x, "ct-fp8-tensor-static", 3.0) @ torch.cat(deqs).t(),
+                               rtol=1e-4, atol=1e-4)  # a fused layer takes the larger input scale
+
+
 def test_the_registry_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="block-wise"):
         methods_for(Cfg({"quant_method": "fp8", "weight_block_size": [128, 128]}))
