@@ -37,6 +37,18 @@ def _dot_type(dtype):
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
+def _qk_scale(scale, softcap, k_cache, k_scale) -> float:
+    """The score scale the kernels take: a float8 cache's keys are read as stored (exact in
+    the dot's dtype) and their scale folded in here; base 2 unless soft-capped."""
+    if k_cache.dtype == torch.float8_e4m3fn:
+        scale = scale * k_scale
+    return scale if softcap else scale * LOG2E
+
+
+def _v_scale(v_cache, v_scale) -> float:
+    return float(v_scale) if v_cache.dtype == torch.float8_e4m3fn else 1.0
+
+
 # ---------------------------------------------------------------------------------------
 # decode
 
@@ -44,8 +56,9 @@ def _dot_type(dtype):
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale,  # softmax scale * log2(e); with SOFTCAP, the softmax scale alone
+    qk_scale,  # softmax scale * log2(e); with SOFTCAP, the softmax scale alone (times a float8 cache's k_scale)
     softcap, window,  # softcap: Gemma 2's cap (SOFTCAP); window: 0 or the sliding window
+    v_scale,  # a float8 cache's value scale (1.0 otherwise), applied to the output
     s_qb, s_qh, s_qd,
     s_kn, s_kb, s_kh, s_kd,
     s_vn, s_vb, s_vh, s_vd,
@@ -113,6 +126,7 @@ def _decode_kernel(
         acc = tl.where(l_i[:, None] > 0, acc, 0.0)
         m_i = tl.where(l_i > 0, m_i, float("-inf"))
         l_i = tl.where(l_i > 0, l_i, 1.0)
+    acc = acc * v_scale
     if DIRECT:
         o = acc / l_i[:, None]
         tl.store(out_ptr + b * s_ob + head[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -167,8 +181,8 @@ def decode_split_size(B: int, kvh: int, max_len: int, block_n: int, device) -> i
     return cdiv(cdiv(max_len, splits), block_n) * block_n
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, *, split_size=None, block_n=None,
-           num_warps=4):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, k_scale=1.0, v_scale=1.0, *,
+           split_size=None, block_n=None, num_warps=4):
     """paged_attention_decode with its tuning knobs exposed (tests force split-K with them)."""
     B, h, d = q.shape
     if block_n is None:
@@ -193,7 +207,7 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, sof
         mid_lse = torch.empty((B, h, num_splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(B, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
-        scale if softcap else scale * LOG2E, float(softcap), int(window),
+        _qk_scale(scale, softcap, k_cache, k_scale), float(softcap), int(window), _v_scale(v_cache, v_scale),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         num_splits, split_size,
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
@@ -210,9 +224,9 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, sof
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
-                           softcap: float = 0.0):
+                           softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
     """One query token per sequence: q [B, h, d] -> [B, h, d]."""
-    return decode(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap)
+    return decode(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale)
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,7 +236,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_ptr, out_ptr,
-    qk_scale, num_seqs, softcap, window,
+    qk_scale, num_seqs, softcap, window, v_scale,
     s_qt, s_qh, s_qd,
     s_kn, s_kb, s_kh, s_kd,
     s_vn, s_vb, s_vh, s_vd,
@@ -304,13 +318,13 @@ def _prefill_kernel(
         m_i = m_new
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past q_len saw nothing; they are not stored
-    o = acc / l_i[:, None]
+    o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
              o.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0, *,
-            block_m=None, block_n=None, num_warps=4):
+def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0, k_scale=1.0,
+            v_scale=1.0, *, block_m=None, block_n=None, num_warps=4):
     """paged_attention_prefill with its tile sizes exposed (tests shrink them to cover tiling)."""
     Tq, h, d = q.shape
     small = q.dtype == torch.float32  # float32 tiles: 4x smaller, to fit the shared memory of every GPU
@@ -330,7 +344,7 @@ def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sc
     grid = (Tq // block_q + B, kvh)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        scale if softcap else scale * LOG2E, B, float(softcap), int(window),
+        _qk_scale(scale, softcap, k_cache, k_scale), B, float(softcap), int(window), _v_scale(v_cache, v_scale),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         G=g, G_PAD=g_pad, HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_SIZE=bs,
         BLOCK_Q=block_q, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype),
@@ -340,11 +354,11 @@ def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sc
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                            window: int = 0, softcap: float = 0.0):
+                            window: int = 0, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
     """A ragged batch of new tokens, causal over each sequence's cached prefix + new tokens.
 
     q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
     they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
     """
-    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap)
+    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap, k_scale, v_scale)
 

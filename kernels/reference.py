@@ -10,6 +10,9 @@ Shapes (T new tokens in a step, B sequences, h query heads, kvh KV heads, d head
   slot_mapping       [T] int64: block_id * block_size + offset of each new token
   window             0, or a sliding window: a query at position p sees keys p - window < k <= p
   softcap            0, or Gemma 2's cap on attention scores: s -> softcap * tanh(s / softcap)
+  k_scale, v_scale   a float8 e4m3 cache (--kv-cache-dtype fp8) holds key / k_scale and
+                     value / v_scale (saturated at +-448); the kernels read them back times
+                     the scale. A cache in the model's dtype ignores them.
 The Triton kernels in this package take the same arguments and return the same values.
 """
 
@@ -19,18 +22,35 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
+FP8 = torch.float8_e4m3fn
+
+
+def to_cache(x, cache, scale: float):
+    """x in the cache's dtype: a float8 cache stores x / scale, saturated."""
+    if cache.dtype != FP8:
+        return x.to(cache.dtype)
+    return (x.float() / scale).clamp_(-448.0, 448.0).to(FP8)
+
+
+def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store new keys/values [T, kvh, d] into their cache slots, in place."""
     kvh, d = key.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, value)
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        x = to_cache(x, cache, scale)
+        if cache.dtype == FP8:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, kvh, d).index_copy_(0, slot_mapping, x)
 
 
-def _gather(cache, block_tables):
-    """[num_blocks, bs, kvh, d] by [B, nb] -> [kvh, B, nb*bs, d], contiguous."""
+def _gather(cache, block_tables, dtype=None, scale: float = 1.0):
+    """[num_blocks, bs, kvh, d] by [B, nb] -> [kvh, B, nb*bs, d], contiguous (a float8 cache
+    read back in `dtype`, times its scale)."""
     B, nb = block_tables.shape
     _, bs, kvh, d = cache.shape
-    return cache.permute(2, 0, 1, 3).index_select(1, block_tables.reshape(-1)).view(kvh, B, nb * bs, d)
+    out = cache.permute(2, 0, 1, 3).index_select(1, block_tables.reshape(-1)).view(kvh, B, nb * bs, d)
+    if cache.dtype == FP8:
+        out = out.to(dtype).mul_(scale)
+    return out
 
 
 def _softcap(scores, softcap: float):
@@ -38,13 +58,13 @@ def _softcap(scores, softcap: float):
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
-                           softcap: float = 0.0):
+                           softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
     """One query token per sequence: q [B, h, d] -> [B, h, d]."""
     B, h, d = q.shape
     kvh = k_cache.shape[2]
     g = h // kvh  # grouped-query: g query heads share one KV head
-    k = _gather(k_cache, block_tables).view(kvh * B, -1, d)
-    v = _gather(v_cache, block_tables).view(kvh * B, -1, d)
+    k = _gather(k_cache, block_tables, q.dtype, k_scale).view(kvh * B, -1, d)
+    v = _gather(v_cache, block_tables, q.dtype, v_scale).view(kvh * B, -1, d)
     L = k.shape[1]
     qh = q.view(B, kvh, g, d).transpose(0, 1).reshape(kvh * B, g, d)
     scores = _softcap(torch.bmm(qh, k.transpose(1, 2)).mul_(scale), softcap)  # [kvh*B, g, L]
@@ -58,21 +78,23 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                            window: int = 0, softcap: float = 0.0):
+                            window: int = 0, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
     """A ragged batch of new tokens, causal over each sequence's cached prefix + new tokens.
 
     q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
     they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
     """
+    kv_scales = (k_scale, v_scale)
     if window or softcap:  # masks SDPA's causal kernel cannot express: explicit scores
-        return _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap)
+        return _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap,
+                               kv_scales)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     # Placing each query at its absolute position lets SDPA's causal kernel skip the upper
     # triangle (half the work of a first chunk), but computes a row for every cached
     # position too: worth it unless the new tokens are a short suffix of a long prefix.
     if 2 * int(q_lens.max()) >= int(context_lens.max()):
-        return _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
-    return _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+        return _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, kv_scales)
+    return _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, kv_scales=kv_scales)
 
 
 def length_buckets(lengths: list[int], max_buckets: int = 3) -> list[list[int]]:
@@ -101,7 +123,7 @@ def length_buckets(lengths: list[int], max_buckets: int = 3) -> list[list[int]]:
     return runs[::-1]
 
 
-def _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float):
+def _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float, kv_scales=(1.0, 1.0)):
     """Row p of a sequence's padded queries is its token at position p (dummies before its new
     tokens), so the plain causal mask of SDPA is the right one for every sequence. Sequences
     run in a few length buckets so that short ones do not pay for the longest."""
@@ -118,15 +140,15 @@ def _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_
         rows = (starts[:, None] + steps - first[:, None]).clamp_(0, max(Tq - 1, 0))  # [n, L]
         valid = (steps >= first[:, None]) & (steps < ctx[:, None])
         tables = block_tables[idx, : -(-L // bs)]
-        k = _gather(k_cache, tables).transpose(0, 1)[:, :, :L]  # [n, kvh, L, d]
-        v = _gather(v_cache, tables).transpose(0, 1)[:, :, :L]
+        k = _gather(k_cache, tables, q.dtype, kv_scales[0]).transpose(0, 1)[:, :, :L]  # [n, kvh, L, d]
+        v = _gather(v_cache, tables, q.dtype, kv_scales[1]).transpose(0, 1)[:, :, :L]
         o = F.scaled_dot_product_attention(q[rows].transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True)
         out[rows[valid]] = o.transpose(1, 2)[valid]
     return out
 
 
 def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                    window: int = 0, softcap: float = 0.0):
+                    window: int = 0, softcap: float = 0.0, kv_scales=(1.0, 1.0)):
     """Only the new tokens as queries, with an explicit mask of what each one sees."""
     Tq, h, d = q.shape
     dev = q.device
@@ -135,8 +157,8 @@ def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_
     steps = torch.arange(max_q, device=dev)
     rows = (query_start_loc[:-1, None] + steps).clamp_(max=Tq - 1)  # [B, max_q]
     valid = steps[None, :] < q_lens[:, None]
-    k = _gather(k_cache, block_tables).transpose(0, 1)  # [B, kvh, L, d]
-    v = _gather(v_cache, block_tables).transpose(0, 1)
+    k = _gather(k_cache, block_tables, q.dtype, kv_scales[0]).transpose(0, 1)  # [B, kvh, L, d]
+    v = _gather(v_cache, block_tables, q.dtype, kv_scales[1]).transpose(0, 1)
     L = k.shape[2]
     pos = (context_lens - q_lens)[:, None] + steps  # absolute position of each query
     keys = torch.arange(L, device=dev)[None, None, :]

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
 
 
+QUANTIZATIONS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")  # --quantization (docs/quantization.md)
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -42,9 +45,12 @@ class EngineConfig:
     # CPU threads of each process (torch, OpenMP, the C decode step). None: SHOAL_NUM_THREADS,
     # else the CPUs the process may use, the smaller of its affinity mask and cgroup quota.
     num_threads: int | None = None
-    # "gguf": a GGUF model's C decode step reads its quantized blocks (Q4_0, Q4_1, Q8_0) as the
-    # file stores them instead of the float32 weights dequantized at load. None: float32.
+    # A quantized checkpoint's format is read from its config.json (quantization_config); this
+    # forces one: "fp8" quantizes a float checkpoint's linear weights at load (W8A8); "gguf": a
+    # GGUF model's C decode step reads its quantized blocks (Q4_0, Q4_1, Q8_0) as the file stores them.
     quantization: str | None = None
+    # "fp8": the KV cache in float8 e4m3 with per-tensor scales (twice the blocks); "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -59,8 +65,10 @@ class EngineConfig:
             raise ValueError(f"cpu_decode_max_seqs must be in [0, 256], got {self.cpu_decode_max_seqs}")
         if self.dtype not in ("float32", "float16", "bfloat16", "auto"):
             raise ValueError(f"dtype must be one of float32, float16, bfloat16, auto; got {self.dtype!r}")
-        if self.quantization not in (None, "gguf"):
-            raise ValueError(f"quantization must be 'gguf' or unset; got {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8; got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
 
@@ -111,6 +119,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"reuse the KV blocks of shared prompt prefixes (default: {'on' if d.enable_prefix_caching else 'off'})")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help=f"fcfs, or priority (lower 'priority' runs first) (default: {d.scheduling_policy})")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help=f"weights and activations (default: {d.dtype})")
+    g.add_argument("--quantization", "-q", choices=QUANTIZATIONS,
+                   help="the checkpoint's quantization (default: read from its config.json); fp8 quantizes a float checkpoint "
+                        "at load; gguf: the CPU decode step reads a GGUF model's Q4_0/Q4_1/Q8_0 blocks as stored")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], help=f"KV cache storage: auto (the model's dtype) or fp8 e4m3 (default: {d.kv_cache_dtype})")
     g.add_argument("--device", help=f"cpu or cuda (default: {d.device})")
     g.add_argument("--seed", type=int, help=f"seed of the engine's random state (default: {d.seed})")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], help=f"attention kernels (default: {d.attention_backend})")
@@ -118,9 +130,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-decode-max-seqs", type=int, help=f"CPU: decode steps of up to this many sequences run in C, 0: off (default: {d.cpu_decode_max_seqs})")
     g.add_argument("--num-threads", type=int, help="CPU threads per process (default: SHOAL_NUM_THREADS, else the CPUs "
                    "the process may use: the smaller of its affinity mask and its cgroup CPU quota)")
-    g.add_argument("--quantization", choices=["gguf"],
-                   help="gguf: the CPU decode step reads a GGUF model's quantized blocks (Q4_0, Q4_1, Q8_0) as stored "
-                        "(default: the float32 weights dequantized at load)")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="GPU: no CUDA graphs; every step runs eagerly (default: off)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step while the device runs the previous one (default: on for one GPU process, else off)")

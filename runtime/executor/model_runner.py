@@ -19,7 +19,8 @@ from shoal.runtime.executor.prompt_logprobs import PromptRows, score
 from shoal.runtime.executor.staging import Staging
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
-from shoal.runtime.layers.linear import pack_for_cpu
+from shoal.runtime.layers.linear import cast_and_finish, pack_for_cpu, quantized
+from shoal.runtime.layers.quantization import methods_for
 from shoal.runtime.layers.sampler import Finished, SampleResult, SamplingMetadata, sample_on_device
 from shoal.runtime.models.decoder import DecoderForCausalLM
 from shoal.runtime.models.loader import iter_weights
@@ -83,17 +84,21 @@ class ModelRunner(Executor):
         self.dtype = DTYPES.get(config.dtype, torch.float32)
         if self.device.type == "cpu" and state.tp_size * state.pp_size == 1:  # a group's ranks set theirs in launch
             cpu_threads.set_threads(cpu_threads.num_threads(config.num_threads))
+        # --kv-cache-dtype fp8: float8 e4m3 blocks, half a 16-bit cache's bytes (twice the blocks)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
         from shoal.kernels import get_ops
 
         self.ops = get_ops(config.attention_backend, self.device)
         with torch.device(self.device):
-            model = DecoderForCausalLM(hf_config, state, max_positions=max_model_len, layer_split=layer_split)
+            model = DecoderForCausalLM(hf_config, state, max_positions=max_model_len, layer_split=layer_split,
+                                       method_for=methods_for(hf_config, None if config.quantization == "gguf" else config.quantization))
         model.load_weights(iter_weights(model_dir))
-        self.model = model.to(self.dtype).eval()
+        self.model = cast_and_finish(model, self.dtype).eval()
         self.cpu_decoder = None  # the C decode step, for small decode-only batches
         if self.device.type == "cpu":
             keep_freed_heap_memory()
-            if config.cpu_decode_max_seqs and self.model.spec.plain:  # the C step is Llama's shape only
+            if (config.cpu_decode_max_seqs and self.model.spec.plain and not quantized(self.model)
+                and self.kv_dtype == self.dtype):  # the C step: Llama's shape, a cache in the model's dtype
                 from shoal.runtime.models.cpu_llama import CpuDecoder
 
                 self.cpu_decoder = CpuDecoder.create(self.model, quantized=gguf_blocks(config, model_dir))  # before oneDNN packing drops the plain weights
@@ -118,7 +123,7 @@ class ModelRunner(Executor):
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        return 2 * len(m.layers) * self.config.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return 2 * len(m.layers) * self.config.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def num_blocks_for(self, kv_cache_memory: float | None) -> int:
         if kv_cache_memory is None:
@@ -141,10 +146,10 @@ class ModelRunner(Executor):
         # On CPU one pool in huge pages: a decode step reads blocks scattered all over it.
         shape = (2, m.num_kv_heads, num_blocks, self.config.block_size, m.head_dim)
         if self.device.type == "cpu":
-            pool = huge_page_zeros(len(m.layers) * math.prod(shape), self.dtype).view(len(m.layers), *shape)
+            pool = huge_page_zeros(len(m.layers) * math.prod(shape), self.kv_dtype).view(len(m.layers), *shape)
             caches = list(pool.unbind(0))
         else:
-            caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in m.layers]
+            caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in m.layers]
         self.kv_caches = [c.permute(0, 2, 3, 1, 4) for c in caches]
         if self.cpu_decoder is not None:
             self.cpu_decoder.attach(self.kv_caches)
@@ -175,10 +180,11 @@ class ModelRunner(Executor):
         with the C decode step: it reads the paged cache in place, and the decodes of a mixed
         step would find every row it advanced stale (a reload costs what a gather does). None
         on a GPU, where the kernels read the paged cache in place."""
-        if self.ops.backend != "torch" or self.cpu_decoder is not None or self.device.type != "cpu" or self.model.windowed:
+        if (self.ops.backend != "torch" or self.cpu_decoder is not None or self.device.type != "cpu" or self.model.windowed
+                or self.kv_dtype != self.dtype):  # the workspace mirrors a cache in the model's dtype
             return None
         m = self.model
-        per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
         return DecodeRows(2 * kv_cache_bytes, per_token, m.num_kv_heads)
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -54,6 +54,36 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
+    def finish(self, layer: nn.Module) -> None:
+        """Once every tensor is loaded and the model cast to its dtype: repack, or quantize at load."""
+
+
+def kept(p: nn.Parameter) -> nn.Parameter:
+    """Mark a parameter the model's dtype cast leaves alone (fp8 weights, float32 scales)."""
+    p.keep_dtype = True
+    return p
+
+
+def cast_and_finish(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """model.to(dtype) for every float parameter a method did not keep, then each linear
+    method's finish (a quantized format's repacking)."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and not getattr(p, "keep_dtype", False):
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point():
+                setattr(module, name, b.to(dtype))
+    for module in model.modules():
+        if isinstance(module, (MergedColumnLinear, RowLinear)):
+            module.method.finish(module)
+    return model
+
+
+def quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (MergedColumnLinear, RowLinear)) and not isinstance(m.method, PlainLinear)
+               for m in model.modules())
+
 
 class PlainLinear(LinearMethod):
     """One float matrix [out, in]; on CPU in float32, prepacked for oneDNN (pack_for_cpu)."""
@@ -132,8 +162,8 @@ class MergedColumnLinear(nn.Module):
         """This rank's output features of projection `shard`, from its full checkpoint tensor `name`."""
         layout = self.method.layout(name)
         target = getattr(self, name).data
-        if layout.out_dim is None:  # one value for the whole projection (a per-tensor scale)
-            target[shard].copy_(loaded.reshape(()))
+        if layout.out_dim is None:  # one value (a per-tensor scale) or vector (g_idx) for the projection
+            target[shard].copy_(loaded.reshape(target[shard].shape))
             return
         offset, start, count = self._rows(shard)
         p = layout.out_pack

@@ -109,6 +109,7 @@ class Attention(nn.Module):
         self.head_dim = d
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         self.window, self.softcap = spec.windows[layer], spec.attn_softcap
+        self.kv_scales = (1.0, 1.0)  # a float8 KV cache's (k_scale, v_scale): the checkpoint's, else 1.0 as vLLM
         self.rope_key = spec.rope_keys[layer]
         self.splits = self.qkv_proj.local_sizes
         self.qk_norm = spec.qk_norm
@@ -135,7 +136,7 @@ class Attention(nn.Module):
         else:  # partial rotary (Phi-4-mini): the first rd features of each head turn
             qr, kr = ops.rotary_embedding(positions, q[..., :rd], k[..., :rd], cos_sin)
             q, k = torch.cat((qr, q[..., rd:]), -1), torch.cat((kr, k[..., rd:]), -1)
-        out = attend(ops, q, k, v.view(T, -1, d), kv_cache, meta, self.scale, self.window, self.softcap)
+        out = attend(ops, q, k, v.view(T, -1, d), kv_cache, meta, self.scale, self.window, self.softcap, self.kv_scales)
         return self.o_proj(out.view(T, -1))
 
 
@@ -222,6 +223,9 @@ def stage_layers(cfg, state: ParallelState, split: list[int] | None = None) -> r
         raise ValueError(f"cannot split {num_layers} layers as {split} over {state.pp_size} stages")
     start = sum(split[: state.pp_rank])
     return range(start, start + split[state.pp_rank])
+
+
+KV_SCALES = {"k_scale": (0,), "v_scale": (1,), "kv_scale": (0, 1)}  # checkpoint name -> which of (k, v) it scales
 
 
 class DecoderForCausalLM(nn.Module):
@@ -322,6 +326,14 @@ class DecoderForCausalLM(nn.Module):
         module_name, kind = rest.rsplit(".", 1)  # e.g. self_attn.q_proj, weight
         parent, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
         attn = layer.self_attn
+        if kind in KV_SCALES and module_name == "self_attn":  # a float8 KV cache's scales (compressed-tensors)
+            scales = list(attn.kv_scales)
+            for i in KV_SCALES[kind]:
+                scales[i] = float(tensor.float().max())
+            attn.kv_scales = tuple(scales)
+            return
+        if kind in ("k_scale", "v_scale", "q_scale", "prob_scale") or (leaf in ("k_proj", "v_proj") and kind == "output_scale"):
+            return  # attention scales Shoal does not use (fp8 attention math), or the older k_proj.output_scale
         if leaf in fused:
             target = attn.qkv_proj if parent == "self_attn" else layer.mlp.gate_up_proj
             target.load(tensor, fused[leaf], kind)
