@@ -91,7 +91,7 @@ def test_a_request_whose_sampling_raises_fails_alone(llm, monkeypatch):
 
     real = sampler.sample_tokens
 
-    def sample_tokens(logits, m):  # the sampler sees parameters, not requests: "bad" is the one at 0.7
+    def sample_tokens(logits, m, native=None):  # the sampler sees parameters, not requests: "bad" is the one at 0.7
         if ((m.temperature - 0.7).abs() < 1e-6).any():
             raise OverflowError("injected: a value no tensor can hold")
         return real(logits, m)

@@ -301,7 +301,7 @@ def test_quantization_needs_a_gguf_model(tmp_path, builtin_dir):
     from shoal.runtime.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="awq")
+        EngineConfig(quantization="int3")
     path = make_tiny_model(tmp_path / "hf", builtin_dir)
     with pytest.raises(ValueError, match="needs a GGUF model"):
         LLM(str(path), quantization="gguf", kv_cache_memory=2**24)

@@ -256,7 +256,7 @@ def test_a_request_failing_inside_the_engine_is_a_500_and_the_engine_lives(monke
 
     real = sampler.sample_tokens
 
-    def sample_tokens(logits, m):  # the request with seed 424242
+    def sample_tokens(logits, m, native=None):  # the request with seed 424242
         if m.seeds is not None and bool((m.seeds == 424242).any()):
             raise RuntimeError("injected sampling bug")
         return real(logits, m)
