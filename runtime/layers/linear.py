@@ -181,7 +181,7 @@ class QKVLinear(MergedColumnLinear):
 class RowLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, method: LinearMethod = PLAIN):
         super().__init__()
-        self.state, self.method = state, method
+        self.state, self.method, self.output_size = state, method, output_size
         self.start, end = shard_range(input_size, state)
         self.input_size = end - self.start
         method.create_weights(self, output_size, self.input_size)
