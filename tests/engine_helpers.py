@@ -74,3 +74,24 @@ def peft_greedy(base_dir, adapter_dir, prompts: list[list[int]], max_new_tokens:
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
     return [hf_greedy(model, p, max_new_tokens) for p in prompts]
+
+
+def make_lora_models(root, builtin_dir, count: int = 3):
+    """A tiny random base model and `count` random PEFT adapters of it ({name: path}), shapes cycling."""
+    base = make_tiny_model(root / "base", builtin_dir)
+    return base, {f"a{i}": make_peft_adapter(base, root / f"a{i}", seed=i, **ADAPTER_SHAPES[i % len(ADAPTER_SHAPES)])
+                  for i in range(count)}
+
+
+def lora_prompts(seed: int = 3, lengths=(5, 23, 40)) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+def lora_references(base, adapters: dict, prompts, max_new_tokens: int) -> dict:
+    """{adapter name (None: base): transformers + PEFT's greedy tokens per prompt}."""
+    refs = {None: peft_greedy(base, None, prompts, max_new_tokens)}
+    refs.update({name: peft_greedy(base, path, prompts, max_new_tokens) for name, path in adapters.items()})
+    return refs

@@ -17,8 +17,9 @@ sequences are in the pipe). Waiting sequences join whichever lane admits them, u
 fair share of the work, so the lanes stay about equally full. One lane is plain V1.
 
 LoRA: a sequence holds its adapter's device slot while it runs (lora_manager.py). A waiting
-sequence whose adapter finds no free slot is passed over, not refused: those behind it may
-be admitted, and it is asked again next step.
+sequence whose adapter finds no free slot is passed over, not refused: base-model sequences
+behind it may be admitted, adapter ones not (the slots drain, and it gets the next free one);
+it is asked again next step.
 """
 
 from __future__ import annotations
@@ -138,14 +139,18 @@ class Scheduler:
 
         # Admit waiting sequences, unless this step already had to preempt (no room).
         w = 0  # the first waiting sequence not passed over (its adapter had no slot)
+        passed_over = False
         while (not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
                and len(running) < share):
             seq = self.waiting[w]
             if seq.num_pending:  # preempted with a token in flight: it is recomputed once the token lands
                 break
             if seq.request.lora is not None:
-                seq.lora_slot = self.lora.acquire(seq.request.lora)
+                # once one waits for a slot, later adapter requests take none either, so that
+                # the slots drain and it gets the next free one (no adapter starves another)
+                seq.lora_slot = self.lora.acquire(seq.request.lora) if not passed_over else None
                 if seq.lora_slot is None:  # every slot busy with other adapters: it waits for one
+                    passed_over = True
                     w += 1
                     continue
             if not seq.block_table and not seq.scores_prompt:  # prompt_logprobs: every position is computed

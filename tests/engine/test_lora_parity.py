@@ -8,7 +8,7 @@ import random
 import pytest
 
 from shoal import LLM, SamplingParams
-from engine_helpers import ADAPTER_SHAPES, make_peft_adapter, make_tiny_model, peft_greedy
+from engine_helpers import lora_prompts, lora_references, make_lora_models
 
 MAX_NEW = 10
 GREEDY = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
@@ -16,32 +16,25 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def lora_models(tmp_path_factory, builtin_dir):
-    """A tiny random base model and three random adapters made with PEFT."""
-    root = tmp_path_factory.mktemp("lora")
-    base = make_tiny_model(root / "base", builtin_dir)
-    adapters = {f"a{i}": make_peft_adapter(base, root / f"a{i}", seed=i, **shape) for i, shape in enumerate(ADAPTER_SHAPES)}
-    return base, adapters
+    """A tiny random base model and five random adapters made with PEFT."""
+    return make_lora_models(tmp_path_factory.mktemp("lora"), builtin_dir, count=5)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(3)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 23, 40)]
+    return lora_prompts()
 
 
 @pytest.fixture(scope="module")
 def references(lora_models, prompts):
-    base, adapters = lora_models
-    refs = {None: peft_greedy(base, None, prompts, MAX_NEW)}
-    refs.update({name: peft_greedy(base, path, prompts, MAX_NEW) for name, path in adapters.items()})
-    return refs
+    return lora_references(*lora_models, prompts, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
 def llm(lora_models):
     base, adapters = lora_models
-    engine = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=16, kv_cache_memory=2**24,
-                 lora_modules=[f"{name}={path}" for name, path in adapters.items()])
+    engine = LLM(str(base), enable_lora=True, max_loras=3, max_lora_rank=16, kv_cache_memory=2**24,
+                 lora_modules=[f"{name}={path}" for name, path in list(adapters.items())[:3]])
     yield engine
     engine.engine.shutdown()
 
@@ -77,6 +70,37 @@ def test_adapters_never_share_prefix_cache_blocks(llm, references):
     again = tokens(llm.generate([prompt], GREEDY, lora="a2"))
     assert engine.kv.prefix_hits > hits  # the adapter's own blocks are reused
     assert again == with_adapter != base_tokens
+
+
+def test_two_slots_serve_five_adapters_under_concurrent_load(lora_models, prompts, references):
+    """--max-loras 2, five adapters in rotation, all requests at once: every request waits for a
+    slot rather than failing, and gets its own adapter's tokens; slots are swapped many times.
+    --max-cpu-loras 3 drops host copies too (read again from disk)."""
+    base, adapters = lora_models
+    engine = LLM(str(base), enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=16, kv_cache_memory=2**24,
+                 lora_modules=[{"name": name, "path": str(path)} for name, path in adapters.items()])
+    try:
+        names = [None] + list(adapters)
+        rows = [(names[i % len(names)], i % len(prompts)) for i in range(24)]
+        llm_engine, lora = engine.engine, engine.engine.lora
+        got, pending, waited = {}, list(enumerate(rows)), 0
+        while pending or llm_engine.has_unfinished_requests():
+            for _ in range(2 if pending else 0):  # two arrivals a step, joining the running batch
+                i, (name, p) = pending.pop(0)
+                llm_engine.add_request(f"r-{i}", prompts[p], GREEDY, lora=name)
+            for out in llm_engine.step():
+                if out.finished:
+                    got[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+            # requests kept waiting because both slots hold other adapters
+            waited += sum(s.request.lora is not None and s.request.lora not in lora.slots for s in llm_engine.scheduler.waiting)
+        assert [got[i] for i in range(len(rows))] == [references[name][p] for name, p in rows]
+        assert waited > 0
+        assert lora.num_loads > len(adapters)  # each adapter loaded, some more than once
+        assert sorted(a.num_requests for a in lora.adapters.values()) == [4] * len(adapters)
+        assert lora.refs == [0, 0] and lora.max_loras == 2
+        assert sum(a.weights is not None for a in lora.adapters.values()) <= 3
+    finally:
+        engine.engine.shutdown()
 
 
 def test_unknown_adapter_is_refused(llm):
