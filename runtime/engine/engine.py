@@ -47,6 +47,18 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    lora: "LoraStats | None" = None  # with --enable-lora
+
+
+@dataclass
+class LoraStats:
+    """vLLM's vllm:lora_requests_info labels, and the counters beside them."""
+
+    running: list[str]  # adapters of running sequences
+    waiting: list[str]  # adapters of waiting ones
+    max_lora: int
+    loads: int  # adapters written into a device slot
+    requests: dict[str, int]  # requests each adapter served
 
 
 def eos_token_ids(model_dir, tokenizer) -> list[int]:
@@ -244,8 +256,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        lora = None
+        if self.lora is not None:
+            waiting = sorted({seq.request.lora.name for seq in s.waiting if seq.request.lora is not None})
+            lora = LoraStats(sorted(set(self.lora.running())), waiting, self.lora.max_loras, self.lora.num_loads,
+                             {a.name: a.num_requests for a in self.lora.adapters.values()})
         return EngineStats(len(s.running), len(s.waiting), self.kv.usage(), self.prompt_tokens, self.generation_tokens,
-                           s.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits)
+                           s.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits, lora)
 
     @property
     def pool(self):

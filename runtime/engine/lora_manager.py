@@ -26,6 +26,7 @@ import torch
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 NUM_PROJ = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+_MODULE = re.compile(r"(\w+)\.(?:base_layer|lora_\w+)")  # the module a stored tensor belongs to
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -91,7 +92,8 @@ def read_peft(path: str, cfg, max_rank: int) -> tuple[int, dict]:
     for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in TARGETS:
-            module = m.group(2) if m else key.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1]
+            named = _MODULE.search(key)
+            module = m.group(2) if m else named.group(1) if named else key
             raise LoraError(f"adapter {path!r} targets {module!r}, which this model has no LoRA for "
                             f"(supported: {', '.join(TARGETS)})")
         layer, target = int(m.group(1)), m.group(2)
@@ -150,6 +152,10 @@ class LoraManager:
         self.adapters[name] = adapter
         self._keep(adapter)
         return adapter
+
+    def read(self, path: str) -> dict:
+        """Read and check an adapter without registering it."""
+        return read_peft(path, self.cfg, self.max_rank)[1]
 
     def remove(self, name: str) -> LoraAdapter:
         """Unregister it: new requests cannot name it; those in the engine finish with it."""

@@ -154,7 +154,7 @@ class Serving:
         if req.echo:
             for p, prompt in enumerate(prompts):
                 echo_text[p] = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
-        job.submit(ids, params)
+        job.submit(ids, params, lora=state.lora_of(req.model))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         renderer = Renderer(state, job, created, chat=False, logprobs=req.logprobs, echo_text=echo_text, include_usage=include_usage,
                             extras=extras)
@@ -177,7 +177,7 @@ class Serving:
         self._admit(1)
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
-        job.submit([ids], params)
+        job.submit([ids], params, lora=state.lora_of(req.model))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tool_output = ToolOutput(tools, state.engine.tokenizer) if tools is not None and tools.mode != "none" else None
         renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, extras=extras, tools=tool_output)
