@@ -197,17 +197,19 @@ def gelu_tanh_and_mul(x):
     return F.gelu(gate, approximate="tanh") * up
 
 
-def lora_delta(x, a, b, token_slot, slot_mask, out):
-    """Add each token's LoRA delta to `out` in place (Punica's shrink then expand), every
-    adapter slot of the batch in two matmuls, no loop over slots or requests.
 
-    x [T, K]; a [S*C, K]: slot s's shrink rows are a[s*C:(s+1)*C]; b [N, S*C] likewise its
-    expand columns (the adapter's scaling folded in); token_slot [T] long, -1: no adapter;
-    slot_mask [T, S] in x's dtype: 1 where token t uses slot s (what token_slot says, one-hot).
-    All slots' shrinks are computed for every token and the mask zeroes the others: S*C is
-    small beside K and N (8 adapters of rank 16 on a 4096-wide layer: 3% of its FLOPs), and
-    two dense matmuls beat any gather on a CPU."""
-    T, S = slot_mask.shape
-    xa = (x @ a.T).view(T, S, -1)
-    xa.mul_(slot_mask.unsqueeze(-1))
-    return out.addmm_(xa.view(T, -1), b.T)
+def lora_delta(x, a, b, token_slot, groups, out):
+    """Add each token's LoRA delta to `out` in place: the tokens grouped by adapter slot
+    (Punica's SGMV, segment by segment), one shrink and one expand per slot in use.
+
+    x [T, K]; a [S, C, K] each slot's shrink; b [S, N, C] each slot's expand (the adapter's
+    scaling folded in); token_slot [T] long, -1: no adapter (the Triton kernel reads it);
+    groups: [(slot, token indices [n] long, or None for every token)], the same mapping
+    grouped on the host once per step. A loop over the slots of the step (at most
+    --max-loras), never over requests; base tokens are not touched."""
+    for slot, idx in groups:
+        if idx is None:
+            out.addmm_(x @ a[slot].T, b[slot].T)
+        else:
+            out.index_add_(0, idx, (x.index_select(0, idx) @ a[slot].T) @ b[slot].T)
+    return out

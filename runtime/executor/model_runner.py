@@ -239,6 +239,7 @@ class ModelRunner(Executor):
         A step that scores prompt rows runs eagerly in torch: the C decode step and the CUDA
         graphs give the sample rows' logits only, not every row's hidden state."""
         scoring = step.prompt_logprobs
+        host_slots = step.lora_slots  # grouped by slot on the host (LoraMapping.set), before the copy
         step = self.to_device(step)
         if step.fill_rows is not None:  # async scheduling: the previous step's tokens, never read by the host
             step.input_ids[step.fill_rows[0]] = self.last_tokens[step.fill_rows[1]]
@@ -257,7 +258,7 @@ class ModelRunner(Executor):
             m = self.model
             self.workspaces = [new_workspace(plan, m.num_kv_heads, m.head_dim, self.dtype, dev) for _ in m.layers]
         if self.lora_mapping is not None:
-            self.lora_mapping.set(step.lora_slots, self.dtype)
+            self.lora_mapping.set(step.lora_slots, host_slots, grouped=self.ops.backend == "torch")
         layer_caches = list(zip(self.kv_caches, self.workspaces or [None] * len(self.kv_caches)))
         hidden, residual = self.model(self.ops, step.input_ids, step.positions, layer_caches, meta, hidden, residual)
         if not self.state.is_last_stage:

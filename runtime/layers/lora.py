@@ -23,16 +23,24 @@ class LoraMapping:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self.token_slot: torch.Tensor | None = None  # [T] long; None: no token uses an adapter
-        self.slot_mask: torch.Tensor | None = None  # [T, S] one-hot, the torch kernel's form
+        self.groups: list = []  # [(slot, token indices or None: all)], the torch kernel's form
 
-    def set(self, token_slot: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.token_slot = token_slot
-        self.slot_mask = None if token_slot is None else \
-            torch.nn.functional.one_hot(token_slot + 1, self.num_slots + 1)[:, 1:].to(dtype)
+    def set(self, token_slot: torch.Tensor | None, host_slots: torch.Tensor | None = None, grouped: bool = True) -> None:
+        """`host_slots`: the same mapping on the host, grouped here once for every layer
+        (`grouped`: the torch kernel reads the groups; Triton reads token_slot alone)."""
+        self.token_slot, self.groups = token_slot, []
+        if token_slot is None or not grouped:
+            return
+        host = (token_slot if host_slots is None else host_slots).cpu()
+        for slot in torch.unique(host).tolist():
+            if slot < 0:
+                continue
+            mask = host == slot
+            self.groups.append((slot, None if bool(mask.all()) else mask.nonzero().flatten().to(token_slot.device)))
 
 
 class LoraLayer:
-    """One layer's slots: a [S*C, in] and b [out, S*C], C = projections x max rank."""
+    """One layer's slots: a [S, C, in] and b [S, out, C], C = projections x max rank."""
 
     def __init__(self, layer, mapping: LoraMapping, max_rank: int, delta, dtype, device):
         self.mapping, self.max_rank, self.delta = mapping, max_rank, delta
@@ -44,30 +52,30 @@ class LoraLayer:
             raise TypeError(f"no LoRA for a {type(layer).__name__}")
         self.cols = self.num_proj * max_rank
         S = mapping.num_slots
-        self.a = torch.zeros(S * self.cols, layer.input_size, dtype=dtype, device=device)
-        self.b = torch.zeros(out_features, S * self.cols, dtype=dtype, device=device)
+        self.a = torch.zeros(S, self.cols, layer.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(S, out_features, self.cols, dtype=dtype, device=device)
 
     def __call__(self, layer, x, out):
         m = self.mapping
         if m.token_slot is None:
             return out
-        return self.delta(x, self.a, self.b, m.token_slot, m.slot_mask, out)
+        return self.delta(x, self.a, self.b, m.token_slot, m.groups, out)
 
     def set_slot(self, layer, slot: int, weights) -> None:
         """Put one adapter in `slot`: `weights` is, per projection, None or its full (A [r, in],
         B [out, r]) with the scaling in B; this rank keeps its shard. None empties the slot."""
-        first = slot * self.cols
-        self.a[first : first + self.cols].zero_()
-        self.b[:, first : first + self.cols].zero_()
+        a, b = self.a[slot], self.b[slot]
+        a.zero_()
+        b.zero_()
         for p, pair in enumerate(weights or [None] * self.num_proj):
             if pair is None:
                 continue
             A, B = pair
-            r, c = A.shape[0], first + p * self.max_rank
+            r, c = A.shape[0], p * self.max_rank
             if isinstance(layer, RowLinear):
-                self.a[c : c + r].copy_(A[:, layer.start : layer.start + layer.input_size])
-                self.b[:, c : c + r].copy_(B)
+                a[c : c + r].copy_(A[:, layer.start : layer.start + layer.input_size])
+                b[:, c : c + r].copy_(B)
             else:
                 offset, start, count = layer._rows(p)
-                self.a[c : c + r].copy_(A)
-                self.b[offset : offset + count, c : c + r].copy_(B[start : start + count])
+                a[c : c + r].copy_(A)
+                b[offset : offset + count, c : c + r].copy_(B[start : start + count])
