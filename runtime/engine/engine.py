@@ -58,6 +58,7 @@ class LoraStats:
     waiting: list[str]  # adapters of waiting ones
     max_lora: int
     loads: int  # adapters written into a device slot
+    slots: list[str]  # adapters in the device slots (a router's LoRA affinity)
     requests: dict[str, int]  # requests each adapter served
 
 
@@ -259,8 +260,9 @@ class LLMEngine:
         lora = None
         if self.lora is not None:
             waiting = sorted({seq.request.lora.name for seq in s.waiting if seq.request.lora is not None})
-            lora = LoraStats(sorted(set(self.lora.running())), waiting, self.lora.max_loras, self.lora.num_loads,
-                             {a.name: a.num_requests for a in self.lora.adapters.values()})
+            lora = LoraStats(running=sorted(set(self.lora.running())), waiting=waiting, max_lora=self.lora.max_loras,
+                             loads=self.lora.num_loads, slots=[a.name for a in self.lora.slots if a is not None and not a.removed],
+                             requests={a.name: a.num_requests for a in self.lora.adapters.values()})
         return EngineStats(len(s.running), len(s.waiting), self.kv.usage(), self.prompt_tokens, self.generation_tokens,
                            s.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits, lora)
 

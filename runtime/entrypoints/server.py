@@ -171,8 +171,10 @@ def build_app(state: ServerState) -> FastAPI:
         stats = state.engine.stats
         load = {"running": stats.num_running if stats else 0, "waiting": state.engine.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage if stats else 0.0}
+        lora = getattr(stats, "lora", None)  # the adapters in device slots: the router's LoRA affinity
         return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
-                              "prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch)})
+                              "prefix_caching": pool.enable_prefix_caching, **pool.changes_since(since, epoch),
+                              **({"lora": {"slots": lora.slots, "max_lora": lora.max_lora}} if lora else {})})
 
     return app
 

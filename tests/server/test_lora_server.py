@@ -65,6 +65,18 @@ def test_concurrent_requests_for_base_and_adapters_get_their_own_tokens(client, 
     assert got == [refs[model][p] for model, p in rows]
 
 
+def test_kv_blocks_tell_a_router_which_adapters_the_slots_hold(server):
+    """The reply a router polls names the adapters in the device slots; its Backend reads them
+    (the picker's LoRA affinity)."""
+    from shoal.runtime.router.backends import Backend
+
+    reply = httpx.get(server.base_url + "/kv/blocks").json()
+    assert reply["lora"]["max_lora"] == 2 and set(reply["lora"]["slots"]) == {"a0", "a1"}
+    backend = Backend(server.base_url)
+    backend.apply(reply)
+    assert backend.view().adapters == {"a0", "a1"}
+
+
 def test_chat_selects_the_adapter(client, models):
     _, base, adapters = models
     out = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "Hello there"}], max_tokens=MAX_NEW,
