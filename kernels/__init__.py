@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 OPS = ("write_kv_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm", "rotary_embedding", "silu_and_mul",
-       "gelu_tanh_and_mul", "fused_moe")
+       "gelu_tanh_and_mul", "fused_moe", "lora_delta")
 BACKENDS = ("torch", "triton", "auto")
 
 __all__ = ["OPS", "BACKENDS", "get_ops", "triton_available"]
@@ -57,7 +57,7 @@ def get_ops(backend: str, device) -> SimpleNamespace:
             f"kernel backend 'triton' on a {device.type} device runs only in Triton's interpreter: "
             "set TRITON_INTERPRET=1 in the environment before starting, or use backend 'torch'"
         )
-    from shoal.kernels import activation, cache_write, fused_moe, norm, paged_attention, rotary
+    from shoal.kernels import activation, cache_write, fused_moe, lora, norm, paged_attention, rotary
 
     return SimpleNamespace(
         backend="triton",
@@ -69,4 +69,5 @@ def get_ops(backend: str, device) -> SimpleNamespace:
         silu_and_mul=activation.silu_and_mul,
         gelu_tanh_and_mul=activation.gelu_tanh_and_mul,
         fused_moe=fused_moe.fused_moe,
+        lora_delta=lora.lora_delta,
     )

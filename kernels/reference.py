@@ -273,3 +273,20 @@ def _grouped_mm_fits(rows, w) -> bool:
         and (rows.shape[1] * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
         and rows.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
     )
+
+
+def lora_delta(x, a, b, token_slot, groups, out):
+    """Add each token's LoRA delta to `out` in place: the tokens grouped by adapter slot
+    (Punica's SGMV, segment by segment), one shrink and one expand per slot in use.
+
+    x [T, K]; a [S, C, K] each slot's shrink; b [S, N, C] each slot's expand (the adapter's
+    scaling folded in); token_slot [T] long, -1: no adapter (the Triton kernel reads it);
+    groups: [(slot, token indices [n] long, or None for every token)], the same mapping
+    grouped on the host once per step. A loop over the slots of the step (at most
+    --max-loras), never over requests; base tokens are not touched."""
+    for slot, idx in groups:
+        if idx is None:
+            out.addmm_(x @ a[slot].T, b[slot].T)
+        else:
+            out.index_add_(0, idx, (x.index_select(0, idx) @ a[slot].T) @ b[slot].T)
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "builtin://smollm2-135m-instruct"
@@ -51,13 +52,19 @@ class EngineConfig:
     quantization: str | None = None
     # "fp8": the KV cache in float8 e4m3 with per-tensor scales (twice the blocks); "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
+    # LoRA adapters (vLLM's flags): served unmerged, many in one batch (docs/lora.md)
+    enable_lora: bool = False
+    lora_modules: list = field(default_factory=list)  # {"name", "path", "base_model_name"?} loaded at start
+    max_loras: int = 1  # adapters on the device at once (slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', not {self.scheduling_policy!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "batches_in_flight", "num_threads"):
+                     "batches_in_flight", "num_threads", "max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -71,6 +78,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8; got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+        self.lora_modules = [parse_lora_module(m) if isinstance(m, str) else dict(m) for m in self.lora_modules]
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
 
     @property
     def name(self) -> str:
@@ -88,6 +98,23 @@ class EngineConfig:
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in known and v is not None})
+
+
+def parse_lora_module(text: str) -> dict:
+    """'name=path', or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            module = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-modules: bad JSON {text!r}: {e}") from None
+        if not isinstance(module, dict) or not module.get("name") or not module.get("path"):
+            raise ValueError(f"--lora-modules: {text!r} needs a name and a path")
+        return module
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes name=path (or JSON), not {text!r}")
+    return {"name": name, "path": path}
 
 
 def parse_memory(text: str) -> float:
@@ -133,3 +160,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None, help="GPU: no CUDA graphs; every step runs eagerly (default: off)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each step while the device runs the previous one (default: on for one GPU process, else off)")
+    g.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters beside the base model (default: off)")
+    g.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
+                   help='adapters loaded at start: name=path or JSON {"name", "path", "base_model_name"}')
+    g.add_argument("--max-loras", type=int, help=f"LoRA adapters on the device at once (default: {d.max_loras})")
+    g.add_argument("--max-lora-rank", type=int, help=f"the highest adapter rank accepted (default: {d.max_lora_rank})")
+    g.add_argument("--max-cpu-loras", type=int, help="LoRA adapters kept in host memory (default: max-loras)")

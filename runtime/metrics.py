@@ -9,6 +9,7 @@ is thread-safe, so the HTTP side renders `/metrics` concurrently.
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("PROMETHEUS_DISABLE_CREATED_SERIES", "True")
 
@@ -63,6 +64,12 @@ class ServerMetrics:
         self.cpu_threads = Gauge("shoal_cpu_threads", "CPU threads the model's process runs (torch, OpenMP, the C decode step)", m, registry=r).labels(model_name)
         self.ready = Gauge("shoal_ready", "1 when the server accepts requests (loaded, group joined, not draining)", m, registry=r).labels(model_name)
         self.ready.set(0)
+        self.lora = None  # the engine's last LoraStats (vllm:lora_requests_info)
+        self._lora_loads = Counter("shoal_lora_slot_loads", "LoRA adapters written into a device slot (swaps), cumulative", m,
+                                   registry=r).labels(model_name)
+        self._lora_requests = Counter("shoal_lora_requests", "Requests served with each LoRA adapter", m + ["lora_name"],
+                                      registry=r)
+        self._lora_counts = {"loads": 0}
 
     # -- engine thread -----------------------------------------------------------------
     def update_from_stats(self, stats, extra_waiting: int = 0) -> None:
@@ -75,6 +82,19 @@ class ServerMetrics:
             if delta > 0:
                 counter.inc(delta)
                 self._last_counts[field] = value
+        lora = getattr(stats, "lora", None)
+        if lora is not None:
+            self.lora = lora
+            self._count(self._lora_loads, "loads", lora.loads)
+            for name, n in lora.requests.items():
+                self._count(self._lora_requests.labels(self.model_name, name), ("requests", name), n)
+
+    def _count(self, counter, key, value: int) -> None:
+        """Raise a counter to the engine's cumulative `value`."""
+        delta = value - self._lora_counts.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._lora_counts[key] = value
 
     def request_finished(self, finish_reason: str | None) -> None:
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
@@ -93,12 +113,20 @@ class ServerMetrics:
         return text + vllm_names(text) + self._lora_info(), CONTENT_TYPE_LATEST
 
     def _lora_info(self) -> bytes:
-        # vLLM's vllm:lora_requests_info, which the endpoint picker reads for adapter affinity:
-        # no adapters served here
-        name = self.model_name.replace("\\", "\\\\").replace('"', '\\"')
+        """vLLM's vllm:lora_requests_info, which the endpoint picker reads for adapter affinity:
+        the adapters running and waiting (comma-separated) and the slots; as vLLM, the value is
+        the time it was taken."""
+        lora = self.lora
+        running, waiting = (",".join(lora.running), ",".join(lora.waiting)) if lora else ("", "")
+        labels = {"max_lora": str(lora.max_lora if lora else 0), "model_name": self.model_name,
+                  "running_lora_adapters": running, "waiting_lora_adapters": waiting}
+        text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
         return (b"# HELP vllm:lora_requests_info Running stats on LoRA requests.\n# TYPE vllm:lora_requests_info gauge\n"
-                + f'vllm:lora_requests_info{{max_lora="0",model_name="{name}",running_lora_adapters="",'
-                  f'waiting_lora_adapters=""}} 1.0\n'.encode())
+                + f"vllm:lora_requests_info{{{text}}} {time.time()}\n".encode())
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def vllm_names(text: bytes) -> bytes:

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tp.add_argument("--hf-batch-size", type=int, default=8, help="transformers' static batch (64 on a GPU, as PERFORMANCE.md)")
     tp.add_argument("--structured", choices=["json"],
                     help="also run the same requests under a JSON schema (structured outputs) in this run; prints both and the ratio")
+    tp.add_argument("--lora-adapters", type=int, metavar="N",
+                    help="also run the same requests spread over N random LoRA adapters (rank --max-lora-rank, every "
+                         "projection) in this run, alternated with the base model; prints both and the ratio")
     tp.add_argument("--json", help="write the results as JSON to this file")
     tp.set_defaults(func=_run("throughput"))
 

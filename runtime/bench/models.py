@@ -122,6 +122,43 @@ def make_random_model(preset: str = "llama-1b", out: str | os.PathLike | None = 
     return path
 
 
+LORA_TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def make_random_adapters(model_dir: str | os.PathLike, count: int, rank: int = 16, seed: int = 0) -> dict[str, Path]:
+    """`count` random LoRA adapters of the model at model_dir, in PEFT's files (every q/k/v/o and
+    gate/up/down projection, rank `rank`), beside it in `<model_dir>-loras/`; {name: path}."""
+    import torch
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+              "up_proj": (h, inter), "down_proj": (inter, h)}
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(count):
+        path = Path(f"{model_dir}-loras") / f"lora{i}"
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for layer in range(cfg["num_hidden_layers"]):
+            for target, parent in LORA_TARGETS.items():
+                fan_in, fan_out = shapes[target]
+                key = f"base_model.model.model.layers.{layer}.{parent}.{target}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+            "target_modules": list(LORA_TARGETS), "base_model_name_or_path": str(model_dir)}))
+        out[f"lora{i}"] = path
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 

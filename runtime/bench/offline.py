@@ -34,8 +34,9 @@ def _engine(args):
     return LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
 
 
-def run_engine(llm, items, structured: StructuredOutputsParams | None = None) -> dict:
-    """Submit every item at once and step until all finish; returns figures."""
+def run_engine(llm, items, structured: StructuredOutputsParams | None = None, loras: list[str] | None = None) -> dict:
+    """Submit every item at once and step until all finish; returns figures. `loras`: request i
+    runs with adapter loras[i % len(loras)]."""
     engine = llm.engine
     engine.kv.reset_prefix_cache()  # a second run of the same prompts starts as cold as the first
     if structured is not None:
@@ -45,7 +46,7 @@ def run_engine(llm, items, structured: StructuredOutputsParams | None = None) ->
     for i, item in enumerate(items):
         params = SamplingParams(max_tokens=item.output_len, min_tokens=item.output_len, ignore_eos=True, temperature=0.0,
                                 structured_outputs=structured)
-        engine.add_request(f"bench-{i}", item.prompt, params)
+        engine.add_request(f"bench-{i}", item.prompt, params, lora=loras[i % len(loras)] if loras else None)
     peak_usage, allocated, wasted, steps = 0.0, 0, 0, 0
     outputs = 0
     while engine.has_unfinished_requests():
@@ -124,10 +125,20 @@ def _release(dev: torch.device) -> None:
 
 
 def throughput(args) -> int:
+    if getattr(args, "lora_adapters", None):
+        args.enable_lora = True
+        args.max_loras = args.max_loras or args.lora_adapters
     llm = _engine(args)
     items = workloads.load(args.workload, args.num_prompts, args.workload_seed, llm.tokenizer)
     print(f"workload {args.workload}: {len(items)} requests, {sum(len(i.prompt) for i in items)} prompt tokens, "
           f"{sum(i.output_len for i in items)} output tokens")
+    if getattr(args, "lora_adapters", None):
+        result = lora_cost(llm, items, args.lora_adapters)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        llm.engine.shutdown()
+        return 0
     result = {"workload": args.workload, "engine": run_engine(llm, items)}
     e = result["engine"]
     print(f"shoal:        {e['output_tokens_per_s']:7.1f} output tok/s  ({e['total_tokens_per_s']:.1f} total tok/s, "
@@ -157,6 +168,36 @@ def throughput(args) -> int:
     if llm is not None:
         llm.engine.shutdown()
     return 0
+
+
+def lora_cost(llm, items, count: int, rounds: int = 2) -> dict:
+    """The workload on the base model and spread over `count` random adapters, alternated
+    `rounds` times in this run; the best of each and their ratio."""
+    from shoal.runtime.bench.models import make_random_adapters
+
+    engine = llm.engine
+    adapters = make_random_adapters(engine.model_dir, count, engine.config.max_lora_rank)
+    for name, path in adapters.items():
+        engine.add_lora(name, str(path))
+    names = list(adapters)
+    # base-torch: the base model with every step in torch (no C decode step, which adapter rows
+    # cannot use), so the adapters' own cost shows apart from the decode path's
+    runs = {"base": [], "base-torch": [], "lora": []}
+    c_seqs = engine.config.cpu_decode_max_seqs
+    for _ in range(rounds):
+        for kind in runs:
+            engine.executor.config.cpu_decode_max_seqs = 0 if kind == "base-torch" else c_seqs
+            runs[kind].append(run_engine(llm, items, loras=names if kind == "lora" else None))
+            r = runs[kind][-1]
+            print(f"{kind:10} {r['output_tokens_per_s']:8.1f} output tok/s ({r['seconds']:.1f} s, {r['steps']} steps)", flush=True)
+    engine.executor.config.cpu_decode_max_seqs = c_seqs
+    best = {kind: max(r["output_tokens_per_s"] for r in rs) for kind, rs in runs.items()}
+    ratio, ratio_torch = best["lora"] / best["base"], best["lora"] / best["base-torch"]
+    print(f"{count} adapters of rank {engine.config.max_lora_rank}: {ratio:.3f}x the base model's throughput "
+          f"({(1 - ratio) * 100:+.1f}% slower), {ratio_torch:.3f}x the base model's in torch; "
+          f"{engine.lora.num_loads} slot loads")
+    return {"runs": runs, "best": best, "ratio": ratio, "ratio_torch": ratio_torch, "adapters": count,
+            "rank": engine.config.max_lora_rank}
 
 
 def _one(engine, prompt, output_len) -> tuple[float, float]:

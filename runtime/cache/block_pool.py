@@ -36,11 +36,12 @@ def hash_block(parent: int | None, tokens) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "little") & _MASK
 
 
-def block_hashes(token_ids, block_size: int, known: list[int] | None = None) -> list[int]:
-    """Chained hashes of every full block of token_ids, extending `known` (a prefix of them)."""
+def block_hashes(token_ids, block_size: int, known: list[int] | None = None, root: int | None = None) -> list[int]:
+    """Chained hashes of every full block of token_ids, extending `known` (a prefix of them).
+    `root`: the first block's parent (a LoRA adapter's salt), None: ROOT_HASH."""
     hashes = list(known or [])
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start : start + block_size]))
+        hashes.append(hash_block(hashes[-1] if hashes else root, token_ids[start : start + block_size]))
     return hashes
 
 

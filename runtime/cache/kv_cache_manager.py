@@ -38,7 +38,7 @@ class KVCacheManager:
 
     def reuse_prefix(self, seq) -> None:
         """Start a sequence on the cached blocks of its longest cached prefix."""
-        seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes)
+        seq.block_hashes = block_hashes(seq.token_ids, self.block_size, seq.block_hashes, seq.request.cache_salt)
         # at least one token must be computed to have something to sample from
         usable = seq.block_hashes[: (len(seq.token_ids) - 1) // self.block_size]
         hits = self.pool.lookup(usable)
@@ -60,7 +60,7 @@ class KVCacheManager:
         for seq in seqs:
             full = min(seq.num_computed, len(seq.token_ids)) // size  # hashes need the tokens, not only their KV
             if full > seq.num_registered:
-                seq.block_hashes = block_hashes(seq.token_ids[: full * size], size, seq.block_hashes[:full])
+                seq.block_hashes = block_hashes(seq.token_ids[: full * size], size, seq.block_hashes[:full], seq.request.cache_salt)
                 for b in range(seq.num_registered, full):
                     self.pool.register(seq.block_table[b], seq.block_hashes[b])
                 seq.num_registered = full

@@ -119,6 +119,13 @@ class _Add:  # inbox: a submission
     queue: asyncio.Queue
     tag: Any
     arrival: float
+    lora: str | None = None  # a LoRA adapter's name
+
+
+@dataclass
+class _Call:  # inbox: work on the engine between steps (loading a LoRA adapter); its result resolves `future`
+    fn: Callable
+    future: asyncio.Future
 
 
 @dataclass
@@ -251,15 +258,27 @@ class AsyncEngine:
         if waiting + count > self.max_waiting + free_slots:
             raise QueueFull(f"the server's waiting queue is full ({self.max_waiting} requests); retry later")
 
-    def submit(self, request_id: str, prompt, params, queue: asyncio.Queue, tag: Any = None, arrival_time: float | None = None) -> None:
-        """Queue a request for the engine. Its Output/Rejected/Failed items arrive on `queue`."""
+    def submit(self, request_id: str, prompt, params, queue: asyncio.Queue, tag: Any = None, arrival_time: float | None = None,
+               lora: str | None = None) -> None:
+        """Queue a request for the engine (with the LoRA adapter named `lora`). Its
+        Output/Rejected/Failed items arrive on `queue`."""
         if request_id in self._live:
             raise ValueError(f"duplicate request id {request_id}")
         self._live[request_id] = queue
         self._submitted += 1
         params = dataclasses.replace(params, output_kind="delta")
-        self._inbox.append(_Add(request_id, prompt, params, queue, tag, arrival_time or time.time()))
+        self._inbox.append(_Add(request_id, prompt, params, queue, tag, arrival_time or time.time(), lora))
         self._wake.set()
+
+    async def call(self, fn: Callable[[Any], Any]):
+        """fn(engine) on the engine thread between steps (the engine is not thread-safe); its
+        result, or its exception raised here."""
+        if self.engine is None or self.state != "ready":
+            raise EngineNotReady("the model is still loading")
+        future = self._loop.create_future()
+        self._inbox.append(_Call(fn, future))
+        self._wake.set()
+        return await future
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort at the next step and free its KV blocks. With notify, the request's queue
@@ -410,7 +429,7 @@ class AsyncEngine:
                 rid = msg.request_id
                 added += 1
                 try:
-                    engine.add_request(rid, msg.prompt, msg.params, arrival_time=msg.arrival)
+                    engine.add_request(rid, msg.prompt, msg.params, arrival_time=msg.arrival, lora=msg.lora)
                 except (ValueError, TypeError, OverflowError) as e:
                     posts.append((msg.queue, Rejected(rid, msg.tag, str(e) or type(e).__name__)))
                 except Exception as e:  # noqa: BLE001 - a bug that this one request hit: fail it, not the engine
@@ -420,6 +439,12 @@ class AsyncEngine:
                     posts.append((msg.queue, Accepted(rid, msg.tag)))
                     self._tracks[rid] = _Track(queue=msg.queue, tag=msg.tag, arrival=msg.arrival,
                                                n=getattr(msg.params, "n", 1) or 1)
+            elif isinstance(msg, _Call):
+                try:
+                    result, error = msg.fn(engine), None
+                except Exception as e:  # noqa: BLE001 - the caller's to report
+                    result, error = None, e
+                self._call_loop(_resolve, msg.future, result, error)
             else:
                 rid = msg.request_id
                 engine.abort_request(rid)
@@ -468,3 +493,12 @@ class AsyncEngine:
             if deltas or out.finished:
                 posts.append((tr.queue, Output(out.request_id, tr.tag, deltas, out.finished, len(out.prompt_token_ids or ()),
                                                getattr(out, "prompt_logprobs", None))))
+
+
+def _resolve(future: asyncio.Future, result, error) -> None:  # runs on the event loop
+    if future.done():  # its caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

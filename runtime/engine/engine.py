@@ -23,6 +23,7 @@ import torch
 from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.engine import bad_words, detokenizer
+from shoal.runtime.engine.lora_manager import LoraError, LoraManager
 from shoal.runtime.engine.prompt_scoring import PromptScoring, prompt_scoring
 from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Status
 from shoal.runtime.engine.scheduler import ScheduledBatch, Scheduler
@@ -46,6 +47,19 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    lora: "LoraStats | None" = None  # with --enable-lora
+
+
+@dataclass
+class LoraStats:
+    """vLLM's vllm:lora_requests_info labels, and the counters beside them."""
+
+    running: list[str]  # adapters of running sequences
+    waiting: list[str]  # adapters of waiting ones
+    max_lora: int
+    loads: int  # adapters written into a device slot
+    slots: list[str]  # adapters in the device slots (a router's LoRA affinity)
+    requests: dict[str, int]  # requests each adapter served
 
 
 def eos_token_ids(model_dir, tokenizer) -> list[int]:
@@ -115,8 +129,13 @@ class LLMEngine:
         self.block_size = config.block_size
         self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.num_lanes = batches_in_flight(config, self.executor)
+        self.lora = None  # the LoRA adapters' registry and device slots (lora_manager.py)
+        if config.enable_lora:
+            self.lora = LoraManager(self.hf_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+            for module in config.lora_modules:
+                self.lora.add(module["name"], module["path"], module.get("base_model_name"))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, self.num_lanes)
+                                   config.scheduling_policy, self.num_lanes, self.lora)
         self._lane = 0
         self._in_flight: dict[int, InFlight] = {}  # lane -> its batch in the pipe
         # one process that fills inputs on its device, one batch in flight: async scheduling can run
@@ -153,9 +172,16 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         return None, ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None,
+                    lora: str | None = None) -> None:
+        """`lora`: the name of a loaded LoRA adapter to run the request with (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = None
+        if lora is not None:
+            if self.lora is None:
+                raise LoraError("LoRA adapters are not enabled on this server (--enable-lora)")
+            adapter = self.lora.get(lora)
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         params.validate()
@@ -169,6 +195,9 @@ class LLMEngine:
         if params.prompt_logprobs is not None and not self.executor.scores_prompts:
             raise ValueError("prompt_logprobs is not supported with tensor or pipeline parallelism")
         request = Request(request_id, text, ids, params, arrival_time or time.time())
+        if adapter is not None:
+            request.lora, request.cache_salt = adapter, adapter.cache_salt
+            self.lora.started(adapter)
         request.max_len = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens, self.max_model_len)
         if params.structured_outputs is not None:
             request.grammar = self.structured.compile(params.structured_outputs)  # cached when the server compiled it
@@ -184,12 +213,32 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
+        self._ended(request)
         for seq in request.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
                 self.scheduler.remove(seq)  # its blocks may still be written by a batch in the pipe: harmless, in order
         if not self.requests:
             self._drain()
+
+    def _ended(self, request: Request) -> None:
+        if request.lora is not None:
+            self.lora.ended(request.lora)
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> None:
+        """Load a PEFT adapter under `name` (LoraError: why not); it reaches the device when a
+        request first needs it."""
+        if self.lora is None:
+            raise LoraError("LoRA adapters are not enabled on this server (--enable-lora)")
+        self.lora.add(name, path, base_model_name)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter: new requests cannot name it; those already in finish with it."""
+        if self.lora is None:
+            raise LoraError("LoRA adapters are not enabled on this server (--enable-lora)")
+        self.lora.remove(name)
 
     def set_async_scheduling(self, on: bool) -> list[RequestOutput]:
         """Turn async scheduling on or off between steps (a benchmark compares both in one
@@ -208,8 +257,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        lora = None
+        if self.lora is not None:
+            waiting = sorted({seq.request.lora.name for seq in s.waiting if seq.request.lora is not None})
+            lora = LoraStats(running=sorted(set(self.lora.running())), waiting=waiting, max_lora=self.lora.max_loras,
+                             loads=self.lora.num_loads, slots=[a.name for a in self.lora.slots if a is not None and not a.removed],
+                             requests={a.name: a.num_requests for a in self.lora.adapters.values()})
         return EngineStats(len(s.running), len(s.waiting), self.kv.usage(), self.prompt_tokens, self.generation_tokens,
-                           s.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits)
+                           s.num_preemptions, self.kv.prefix_queries, self.kv.prefix_hits, lora)
 
     @property
     def pool(self):
@@ -270,6 +325,9 @@ class LLMEngine:
         plan = self.decode_rows.plan(batch, pad_rows) if self.decode_rows else None  # may reorder decodes
         rows, targets = self._sample_targets(batch)
         prev_rows = prev.rows() if prev is not None else None
+        if self.lora is not None:  # adapters the scheduler just gave a slot reach the device first
+            for slot, weights in self.lora.take_loads():
+                self.executor.set_lora(slot, weights)
         step = prepare(batch, rows, self.block_size, self.kv.tables, plan, prev_rows)
         # a row that reads its tokens on the host (bad words, a grammar) with one still in flight
         sample_later = prev is not None and any(seq.num_pending and seq.request.needs_history for seq in targets)
@@ -339,7 +397,8 @@ class LLMEngine:
             m.last_token_time = now
             if request.finished:
                 m.finished_time = now
-                self.requests.pop(request.request_id, None)
+                if self.requests.pop(request.request_id, None) is not None:
+                    self._ended(request)
             if (out := request.output()) is not None:
                 outputs.append(out)
         return outputs

@@ -95,6 +95,7 @@ class Sequence:
         self.decode_stream = None  # (tokenizers DecodeStream, its tokenizer), see detokenizer.py
         self.matcher = None  # its grammar's state (structured outputs), made when it first samples
         self.drop_last_text = False  # its last token (an EOS or stop token) adds no text
+        self.lora_slot: int | None = None  # the device slot of its adapter, held while it runs
 
     @property
     def params(self) -> SamplingParams:
@@ -158,6 +159,8 @@ class Request:
     allowed_mask: object = None  # params.allowed_token_ids as a packed int32 bitmask row
     bad_words: list[list[int]] | None = None  # params.bad_words as token sequences
     max_len: int = 1 << 62  # its sequences end at this many tokens (max_tokens, the context): LLMEngine sets it
+    lora: object = None  # its LoRA adapter (engine/lora_manager.py), None: the base model
+    cache_salt: int | None = None  # the root of its prefix-cache hashes (an adapter's: KV never shared across them)
 
     def __post_init__(self):
         self.metrics = RequestMetrics(self.arrival_time)

@@ -15,6 +15,11 @@ a lane again only once its previous batch is back. So no sequence is ever in two
 at once, and preemption picks its victims inside the lane being scheduled (the others'
 sequences are in the pipe). Waiting sequences join whichever lane admits them, up to a
 fair share of the work, so the lanes stay about equally full. One lane is plain V1.
+
+LoRA: a sequence holds its adapter's device slot while it runs (lora_manager.py). A waiting
+sequence whose adapter finds no free slot is passed over, not refused: base-model sequences
+behind it may be admitted, adapter ones not (the slots drain, and it gets the next free one);
+it is asked again next step.
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ _order = operator.attrgetter("order")  # the key Scheduler.add gave each sequenc
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str = "fcfs",
-                 num_lanes: int = 1):
+                 num_lanes: int = 1, lora=None):
         self.kv = kv
+        self.lora = lora  # the LoraManager, when adapters are served
         self.num_lanes = num_lanes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -78,10 +84,18 @@ class Scheduler:
         seq.status = Status.RUNNING
         seq.lane = lane
         seq.order = self.order_key(seq)
+        if seq.request.lora is not None:  # its parent holds the slot: found at once
+            seq.lora_slot = self.lora.acquire(seq.request.lora)
         self.running.append(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_slot(seq)
         self.kv.free(seq)
         self.num_preemptions += 1
         self.add(seq)
@@ -90,6 +104,7 @@ class Scheduler:
         """Finished or aborted: free its blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release_slot(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
@@ -123,18 +138,29 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences, unless this step already had to preempt (no room).
-        while (not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        w = 0  # the first waiting sequence not passed over (its adapter had no slot)
+        passed_over = False
+        while (not preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
                and len(running) < share):
-            seq = self.waiting[0]
+            seq = self.waiting[w]
             if seq.num_pending:  # preempted with a token in flight: it is recomputed once the token lands
                 break
+            if seq.request.lora is not None:
+                # once one waits for a slot, later adapter requests take none either, so that
+                # the slots drain and it gets the next free one (no adapter starves another)
+                seq.lora_slot = self.lora.acquire(seq.request.lora) if not passed_over else None
+                if seq.lora_slot is None:  # every slot busy with other adapters: it waits for one
+                    passed_over = True
+                    w += 1
+                    continue
             if not seq.block_table and not seq.scores_prompt:  # prompt_logprobs: every position is computed
                 self.kv.reuse_prefix(seq)
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
             if not self.kv.allocate(seq, seq.num_computed + num_new):
                 self.kv.free(seq)  # give back the prefix hits; try again next step
+                self._release_slot(seq)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             seq.status = Status.RUNNING
             seq.lane = lane
             self.running.append(seq)

@@ -72,6 +72,10 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, tabl
         decode_plan=decode_plan,
     )
     step = StepInput(_long(ids), torch.from_numpy(np.concatenate(positions)), meta, _long(sample_rows))
+    slots = [s.lora_slot for s in batch.seqs]
+    if any(s is not None for s in slots):  # each token's adapter slot; None when all are base rows
+        step.lora_slots = torch.from_numpy(np.repeat(np.array([-1 if s is None else s for s in slots], dtype=np.int64),
+                                                     batch.num_new_tokens))
     if fill:
         step.fill_rows = _long(fill).T.contiguous()
     return step

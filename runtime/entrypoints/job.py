@@ -51,14 +51,22 @@ class Job:
         self.prompt_ids: list[list[int]] = []  # per prompt (tag), as submitted
         self.prompt_logprobs: dict[int, list] = {}  # per prompt, when the params ask for them
 
-    def submit(self, prompts: list, params) -> None:
+    @property
+    def model(self) -> str:
+        """The name its responses carry: the LoRA adapter it ran with, else the served model."""
+        return self.lora or self.state.model_name
+
+    lora: str | None = None
+
+    def submit(self, prompts: list, params, lora: str | None = None) -> None:
+        self.lora = lora
         arrival = time.time()
         self.prompt_ids = list(prompts)
         for p, prompt in enumerate(prompts):
             rid = f"{self.http_id}-{p}"
             self.rids.append(rid)
             self.unfinished.add(rid)
-            self.state.engine.submit(rid, prompt, params, self.queue, tag=p, arrival_time=arrival)
+            self.state.engine.submit(rid, prompt, params, self.queue, tag=p, arrival_time=arrival, lora=lora)
 
     def abort(self) -> None:
         for rid in self.unfinished:

@@ -30,8 +30,10 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora: str | None | list[str | None] = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids) and return outputs in prompt order."""
+        """Generate for every prompt (text or token ids) and return outputs in prompt order.
+        `lora`: a loaded adapter's name for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -41,11 +43,14 @@ class LLM:
         # only the final output of each request is read: the engine builds no others
         per_prompt = [dataclasses.replace(p, output_kind="final_only") if isinstance(p, SamplingParams) else p
                       for p in per_prompt]
+        adapters = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} LoRA names")
         ids = []
         try:
-            for prompt, p in zip(prompts, per_prompt):
+            for prompt, p, adapter in zip(prompts, per_prompt, adapters):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, lora=adapter)
                 ids.append(request_id)
         except ValueError:
             for request_id in ids:

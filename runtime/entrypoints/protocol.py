@@ -408,6 +408,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "shoal"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -123,7 +123,7 @@ class Renderer:
                 x.choice(choice, job.prompt_ids[tag], token_ids, job.prompt_logprobs.get(tag))
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        body = {"id": job.http_id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices,
+        body = {"id": job.http_id, "object": obj, "created": self.created, "model": self.job.model, "choices": choices,
                 "usage": self._usage()}
         if x is not None:
             x.body(body, job.prompt_ids[0] if job.prompt_ids else [], job.prompt_logprobs.get(0))
@@ -139,7 +139,7 @@ class Renderer:
     @property
     def _base(self) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.job.http_id, "object": obj, "created": self.created, "model": self.state.model_name}
+        return {"id": self.job.http_id, "object": obj, "created": self.created, "model": self.job.model}
 
     def _chunk(self, index: int, payload, logprobs=None, finish_reason=None, stop_reason=None, token_ids=None, more=None) -> str:
         choice = {"index": index, ("delta" if self.chat else "text"): payload, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason,

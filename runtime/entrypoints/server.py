@@ -1,7 +1,8 @@
 """`shoal serve`: the engine behind FastAPI on uvicorn, with the HTTP contract of docs/design.md.
 
     /v1/completions, /v1/chat/completions   OpenAI bodies; stream: true -> SSE ending in [DONE]
-    /v1/models                              the served model
+    /v1/models                              the served model and its LoRA adapters (parent: the model)
+    /v1/load_lora_adapter, /unload_...      LoRA adapters at run time, vLLM's shapes (lora_routes.py)
     /health                                 alive and the engine loop making progress (watchdog)
     /ready                                  loaded + KV cache + warm-up done, group joined, not draining
     /metrics                                Prometheus text (shoal_*, and the same series as vllm:*)
@@ -49,6 +50,7 @@ from fastapi.responses import Response
 
 from shoal.runtime.entrypoints.errors import RETRY_AFTER_S, dumps, install_handlers, unavailable
 from shoal.runtime.entrypoints.logs import configure_logging
+from shoal.runtime.entrypoints.lora_routes import add_lora_routes
 from shoal.runtime.entrypoints.middleware import GuardMiddleware
 from shoal.runtime.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -122,12 +124,14 @@ def build_app(state: ServerState) -> FastAPI:
     # -- models ---------------------------------------------------------------------
     @app.get("/v1/models", response_model=ModelList, responses=errors)
     async def list_models():
-        return json_response({"object": "list", "data": [state.model_card()]})
+        return json_response({"object": "list", "data": state.model_cards()})
 
     @app.get("/v1/models/{model_id:path}", responses=errors)
     async def get_model(model_id: str):
         state.check_model(model_id)
-        return json_response(state.model_card())
+        return json_response(state.model_card(model_id))
+
+    add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     # -- generation -----------------------------------------------------------------
     @app.post("/v1/completions", response_model=CompletionResponse, responses=errors)
@@ -172,8 +176,10 @@ def build_app(state: ServerState) -> FastAPI:
         stats = state.engine.stats
         load = {"running": stats.num_running if stats else 0, "waiting": state.engine.num_waiting,
                 "kv_cache_usage": stats.kv_cache_usage if stats else 0.0}
+        lora = getattr(stats, "lora", None)  # the adapters in device slots: the router's LoRA affinity
         return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
-                              "max_model_len": state.engine.max_model_len, **changes})
+                              "max_model_len": state.engine.max_model_len, **changes,
+                              **({"lora": {"slots": lora.slots, "max_lora": lora.max_lora}} if lora else {})})
 
     return app
 

@@ -155,7 +155,7 @@ class Serving:
         if req.echo:
             for p, prompt in enumerate(prompts):
                 echo_text[p] = prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
-        job.submit(ids, params)
+        job.submit(ids, params, lora=state.lora_of(req.model))
         include_usage, continuous_usage = req.stream_usage()
         renderer = Renderer(state, job, created, chat=False, logprobs=req.logprobs, echo_text=echo_text, include_usage=include_usage,
                             continuous_usage=continuous_usage, extras=extras, stream_interval=state.stream_interval)
@@ -178,7 +178,7 @@ class Serving:
         self._admit(1)
         job = Job(state, f"chatcmpl-{uuid.uuid4().hex}", req.n)
         created = int(time.time())
-        job.submit([ids], params)
+        job.submit([ids], params, lora=state.lora_of(req.model))
         include_usage, continuous_usage = req.stream_usage()
         renderer = Renderer(state, job, created, chat=True, logprobs=k, include_usage=include_usage, continuous_usage=continuous_usage,
                             extras=extras, tools=output, stream_interval=state.stream_interval)

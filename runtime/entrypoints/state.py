@@ -82,11 +82,29 @@ class ServerState:
             raise unavailable("the model is still loading", "model_loading")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.config.model):
+        if model is not None and model not in (self.model_name, self.config.model) and model not in self.lora_adapters():
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.", "invalid_request_error", param="model", code="model_not_found")
 
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "shoal", "root": self.config.model, "max_model_len": self.engine.max_model_len}
+    def lora_adapters(self) -> dict:
+        """The LoRA adapters loaded now, by name (read from the engine thread's registry: one dict read)."""
+        lora = getattr(self.engine.engine, "lora", None)
+        return dict(lora.adapters) if lora is not None else {}
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names, None for the base model."""
+        return model if model is not None and model not in (self.model_name, self.config.model) else None
+
+    def model_card(self, model: str | None = None) -> dict:
+        """The base model's card, or (vLLM's) an adapter's: its path as root, the base as parent."""
+        adapter = self.lora_adapters().get(model) if model is not None else None
+        if adapter is not None:
+            return {"id": adapter.name, "object": "model", "created": self.created, "owned_by": "shoal", "root": adapter.path,
+                    "parent": self.model_name, "max_model_len": self.engine.max_model_len}
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "shoal", "root": self.config.model,
+                "parent": None, "max_model_len": self.engine.max_model_len}
+
+    def model_cards(self) -> list[dict]:
+        return [self.model_card()] + [self.model_card(name) for name in self.lora_adapters()]
 
     def on_loaded(self) -> None:
         e = self.engine

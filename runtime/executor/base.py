@@ -38,6 +38,10 @@ class Executor(abc.ABC):
         """Start a step; .result() of the returned object waits for its logits."""
         return Finished(self.execute(step))
 
+    def set_lora(self, slot: int, weights: dict | None) -> None:
+        """Write a LoRA adapter's weights (engine/lora_manager.py) into a device slot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
+
     def decode_planner(self, kv_cache_bytes: int):
         """The CPU decode workspace's planner (layers/decode_workspace.py), or None."""
         return None

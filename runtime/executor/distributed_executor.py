@@ -105,6 +105,10 @@ class DistributedExecutor(Executor):
     def copy_block(self, src: int, dst: int) -> None:
         self._call(("copy", src, dst))
 
+    def set_lora(self, slot: int, weights) -> None:
+        """Every rank keeps its shard of the adapter (the full tensors travel once)."""
+        self._call(("lora", slot, weights))
+
     def execute(self, step):
         """Every rank runs the step; the leader samples the logits it gets back (the sampling
         parameters never travel to the other ranks)."""

@@ -44,6 +44,8 @@ class StepInput:
     # [2, F] long (async scheduling): input_ids[fill_rows[0]] are the tokens the previous step
     # sampled in its rows fill_rows[1], still on the device when this step was prepared
     fill_rows: torch.Tensor | None = None
+    # [T] long: each token's LoRA slot (-1: the base model); None: no token of the step uses one
+    lora_slots: torch.Tensor | None = None
 
 
 def native_sampler():
@@ -109,11 +111,35 @@ class ModelRunner(Executor):
         self.native_sampler = native_sampler() if self.device.type == "cpu" else None
         if pack_for_cpu(self.model):
             log.info("linear weights prepacked for oneDNN")
+        self.lora_mapping, self.lora_layers = None, {}
+        if config.enable_lora:
+            self._install_lora(config.max_loras, config.max_lora_rank)
         self.kv_caches: list[torch.Tensor] = []
         self.workspaces: list | None = None  # the decode mirror (torch backend, CPU), per layer
         self.staging = Staging(self.device) if self.device.type != "cpu" else None
         self.graphs = None  # CUDA graphs of decode-only steps (cuda_graphs.py), captured with the KV cache
         self.last_tokens: torch.Tensor | None = None  # the last sampling step's tokens, where they were sampled
+
+    def _install_lora(self, max_loras: int, max_rank: int) -> None:
+        """A LoRA hook on every linear layer of this rank's decoder layers (layers/lora.py)."""
+        from shoal.runtime.layers.lora import LoraLayer, LoraMapping
+
+        self.lora_mapping = LoraMapping(max_loras)
+        for index, layer in zip(self.model.layer_range, self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, module in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+                                 ("down_proj", mlp.down_proj)):
+                module.lora = self.lora_layers[index, name] = LoraLayer(module, self.lora_mapping, max_rank,
+                                                                        self.ops.lora_delta, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def set_lora(self, slot: int, weights: dict | None) -> None:
+        """Write one adapter (lora_manager's weights: {(layer, module): per projection (A, B) or
+        None}) into `slot` of every hook of this rank; layers it leaves out get zeros."""
+        for (index, name), hook in self.lora_layers.items():
+            module = self.model.layers[index - self.model.layer_range.start]
+            module = module.self_attn if name in ("qkv_proj", "o_proj") else module.mlp
+            hook.set_slot(getattr(module, name), slot, (weights or {}).get((index, name)))
 
     @property
     def pipelined(self) -> bool:
@@ -194,7 +220,8 @@ class ModelRunner(Executor):
     def _runs_in_c(self, step: StepInput, hidden) -> bool:
         """A decode-only step small enough for the C decoder."""
         nd = step.meta.num_decode_tokens
-        return hidden is None and nd == step.input_ids.shape[0] and 0 < nd <= self.c_decode_max_seqs
+        return (hidden is None and nd == step.input_ids.shape[0] and 0 < nd <= self.c_decode_max_seqs
+                and step.lora_slots is None)
 
     def to_device(self, step: StepInput) -> StepInput:
         """The step with every tensor on this runner's device: one copy on a GPU."""
@@ -249,6 +276,7 @@ class ModelRunner(Executor):
         A step that scores prompt rows runs eagerly in torch: the C decode step and the CUDA
         graphs give the sample rows' logits only, not every row's hidden state."""
         scoring = step.prompt_logprobs
+        host_slots = step.lora_slots  # grouped by slot on the host (LoraMapping.set), before the copy
         step = self.to_device(step)
         if step.fill_rows is not None:  # async scheduling: the previous step's tokens, never read by the host
             step.input_ids[step.fill_rows[0]] = self.last_tokens[step.fill_rows[1]]
@@ -257,7 +285,7 @@ class ModelRunner(Executor):
             logits = self.cpu_decoder.step(step.input_ids, step.positions, m.slot_mapping, m.decode_block_tables,
                                            m.decode_context_lens)[step.sample_rows]
             return logits if step.sampling is None else self._sample(logits, step.sampling)
-        if scoring is None and self.graphs is not None and hidden is None and self.graphs.fits(step):
+        if scoring is None and self.graphs is not None and hidden is None and step.lora_slots is None and self.graphs.fits(step):
             logits = self.graphs.run(step)
             return logits if step.sampling is None else self._sample(logits, step.sampling)
         meta, dev = step.meta, self.device
@@ -266,6 +294,8 @@ class ModelRunner(Executor):
             self.workspaces = None  # free the old mirror before allocating the new one
             m = self.model
             self.workspaces = [new_workspace(plan, m.num_kv_heads, m.head_dim, self.dtype, dev) for _ in m.layers]
+        if self.lora_mapping is not None:
+            self.lora_mapping.set(step.lora_slots, host_slots, grouped=self.ops.backend == "torch")
         layer_caches = list(zip(self.kv_caches, self.workspaces or [None] * len(self.kv_caches)))
         hidden, residual = self.model(self.ops, step.input_ids, step.positions, layer_caches, meta, hidden, residual)
         if not self.state.is_last_stage:

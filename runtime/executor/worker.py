@@ -117,6 +117,8 @@ def handle(message, runner, m: Membership):
         except Exception as e:  # a bad option: let the leader raise it, not hang
             reply = ("error", f"rank {m.rank}: {e}", 0)
         gather(reply, m)
+    elif kind == "lora":
+        runner.set_lora(message[1], message[2])
     elif kind == "alloc":
         runner.allocate_kv_cache(message[1])
     elif kind == "stop":

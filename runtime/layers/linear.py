@@ -214,7 +214,7 @@ class RowLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, method: LinearMethod = PLAIN,
                  reduce: bool = True):
         super().__init__()
-        self.state, self.method, self.reduce = state, method, reduce
+        self.state, self.method, self.reduce, self.output_size = state, method, reduce, output_size
         self.start, end = shard_range(input_size, state)
         self.input_size = end - self.start
         method.create_weights(self, output_size, self.input_size)

@@ -82,14 +82,14 @@ class Router:
         self.hasher.close()
 
     # -- the choice --------------------------------------------------------------------------
-    def rank(self, hashes: list[int], session: str | None, refused: set[str]) -> tuple[list[Backend], str]:
+    def rank(self, hashes: list[int], session: str | None, refused: set[str], adapter: str | None = None) -> tuple[list[Backend], str]:
         ready = [b for b in self.backends.all if b.ready and b.name not in refused]
         if not ready:
             return [], "none"
         if self.policy == "round-robin":
             k = next(self._rr) % len(ready)
             return ready[k:] + ready[:k], "round_robin"
-        ranked = picker.rank([b.view() for b in ready], hashes, self.prefix_weight, self.load_weight)
+        ranked = picker.rank([b.view() for b in ready], hashes, self.prefix_weight, self.load_weight, adapter)
         for r in ranked:
             self.metrics.score.labels(r.view.name).set(r.score)
         order = [self.backends.by_url[r.view.name] for r in ranked]
@@ -117,15 +117,18 @@ class Router:
             return error_response(413, f"request body larger than {self.max_body_bytes} bytes", code="request_too_large")
         path = request.url.path
         hashes: list[int] = []
+        adapter = None  # the body's model: a LoRA adapter's name, if a backend holds one by that name
         if request.method == "POST" and path in ("/v1/completions", "/v1/chat/completions") and self.policy == "prefix":
-            hashes = await self.hasher.hashes(path, _json(body), self.backends.block_size(), self.backends.max_model_len())
+            data = _json(body)
+            hashes = await self.hasher.hashes(path, data, self.backends.block_size(), self.backends.max_model_len())
+            adapter = data.get("model") if isinstance(data, dict) and isinstance(data.get("model"), str) else None
         session = request.headers.get(self.session_header) if self.session_header else None
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
         rid = (request.scope.get("state") or {}).get("request_id")
         if rid and not any(k.lower() == "x-request-id" for k, _ in headers):
             headers.append(("x-request-id", rid))
         target = path + (f"?{request.url.query}" if request.url.query else "")
-        return await self._unless_gone(request, self._send(request.method, target, headers, body, hashes, session, t0))
+        return await self._unless_gone(request, self._send(request.method, target, headers, body, hashes, session, t0, adapter))
 
     async def _unless_gone(self, request: Request, sending) -> Response:
         """`sending` (held, then sent, up to the first byte), cancelled the moment the client
@@ -147,14 +150,14 @@ class Router:
             return Response(status_code=499)  # nobody is there to read it
         return send.result()
 
-    async def _send(self, method, target, headers, body, hashes, session, t0: float) -> Response:
+    async def _send(self, method, target, headers, body, hashes, session, t0: float, adapter: str | None = None) -> Response:
         deadline = time.monotonic() + self.pending_timeout
         refused: set[str] = set()  # backends that answered 503 to this request
         last_refusal: Response | None = None
         attempts, first = 0, True
         max_attempts = 2 * max(1, len(self.backends.by_url)) + 2
         while True:
-            order, why = self.rank(hashes, session, refused)
+            order, why = self.rank(hashes, session, refused, adapter)
             if not order:
                 if last_refusal is not None and not any(b.ready and b.name not in refused for b in self.backends.all):
                     return last_refusal  # every ready backend is refusing: its 503 (and Retry-After)
@@ -170,7 +173,7 @@ class Router:
             else:
                 self.metrics.retries.inc()
             attempts += 1
-            outcome = await self._try(b, method, target, headers, body, hashes)
+            outcome = await self._try(b, method, target, headers, body, hashes, adapter)
             if isinstance(outcome, Response) and outcome.status_code != 503:
                 self._remember(session, b)
                 return outcome
@@ -197,7 +200,7 @@ class Router:
             return _unavailable(f"no backend became ready within {self.pending_timeout:g} s (--pending-timeout)", "no_backend")
         return None
 
-    async def _try(self, b: Backend, method, target, headers, body, hashes):
+    async def _try(self, b: Backend, method, target, headers, body, hashes, adapter: str | None = None):
         """A Response to pass on (503 included), or None when the backend failed before a byte."""
         b.in_flight += 1
         done = False
@@ -215,6 +218,8 @@ class Router:
                 head = b""
             if hashes and resp.status == 200:
                 b.expect(hashes)
+            if adapter is not None and resp.status == 200:
+                b.adapters.add(adapter)  # it loads the adapter now: count it before the next poll does
             done = True
             return _Relay(b, resp, head, chunks, _pass_headers(resp.headers, b))
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:

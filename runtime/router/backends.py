@@ -34,6 +34,7 @@ class Backend:
         self.max_model_len: int | None = None
         self.running = self.waiting = 0
         self.kv_usage = 0.0
+        self.adapters: set[str] = set()  # LoRA adapters in its device slots
         self.in_flight = 0  # requests this router has sent and not seen end
         self.slow_polls = 0
         self.last_error = ""
@@ -45,7 +46,8 @@ class Backend:
         return until is not None and until > time.monotonic()
 
     def view(self) -> View:
-        return View(self.name, self.ready, self.running, self.waiting, self.in_flight, self.kv_usage, self.has)
+        return View(self.name, self.ready, self.running, self.waiting, self.in_flight, self.kv_usage, self.has,
+                    frozenset(self.adapters))
 
     def expect(self, hashes: list[int]) -> None:
         """The request just sent will cache these blocks here: count them before the next poll does."""
@@ -67,6 +69,7 @@ class Backend:
         load = reply.get("load") or {}
         self.running, self.waiting = int(load.get("running", 0)), int(load.get("waiting", 0))
         self.kv_usage = float(load.get("kv_cache_usage", 0.0))
+        self.adapters = set((reply.get("lora") or {}).get("slots") or ())
         if self.expected:
             now = time.monotonic()
             self.expected = {h: t for h, t in self.expected.items() if t > now and h not in self.blocks}

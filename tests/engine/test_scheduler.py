@@ -118,3 +118,26 @@ def test_budget_is_never_exceeded(policy):
         batch = run_step(sched)
         assert batch.num_tokens <= 96
         assert len(sched.running) <= 16
+
+
+def test_a_lora_request_without_a_slot_waits_and_gets_the_next_free_one():
+    """One slot: A runs; B waits (passed over, not refused); a base request behind B is admitted,
+    a second A request is not (the slot must drain for B); when A's requests end, B loads."""
+    from shoal.runtime.engine.lora_manager import LoraAdapter, LoraManager
+
+    lora = LoraManager(None, max_loras=1, max_rank=8)
+    adapter_a, adapter_b = (LoraAdapter(name, "", i, 8, weights={}) for i, name in enumerate("ab"))
+    sched = Scheduler(FakeKV(10_000), max_num_seqs=8, max_num_batched_tokens=256, lora=lora)
+    seqs = [request(4, arrival=t) for t in range(4)]
+    for seq, adapter in zip(seqs, (adapter_a, adapter_b, None, adapter_a)):
+        seq.request.lora = adapter
+        sched.add(seq)
+    a, b, base, a2 = seqs
+    assert run_step(sched).seqs == [a, base]
+    assert sched.waiting == [b, a2] and lora.slots == [adapter_a] and lora.refs == [1]
+    sched.remove(a)
+    sched.remove(base)
+    assert lora.refs == [0]
+    assert run_step(sched).seqs == [b]  # the oldest waiting adapter takes the freed slot
+    assert lora.slots == [adapter_b] and lora.num_loads == 2 and [w for _, w in lora.take_loads()] == [{}, {}]
+    assert b.lora_slot == 0 and sched.waiting == [a2]

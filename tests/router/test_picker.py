@@ -59,3 +59,16 @@ def test_prefix_reason_only_when_the_cache_decided():
     both = holding(0, 1)
     ranked = picker.rank([View("a", has=both), View("b", running=1, has=both)], [0, 1])
     assert ranked[0].view.name == "a" and picker.reason(ranked) == "load"
+
+
+def test_a_backend_holding_the_requests_lora_adapter_wins_against_modest_load():
+    """LoRA affinity: the backend with the adapter in a slot goes first unless it is much busier;
+    a base-model request (a name no backend holds as an adapter) is ranked by load alone."""
+    holds = View("holds", running=3, adapters=frozenset({"sql"}))
+    idle = View("idle")
+    ranked = picker.rank([idle, holds], [], adapter="sql")
+    assert [r.view.name for r in ranked] == ["holds", "idle"] and picker.reason(ranked) == "lora"
+    assert ranked[0].score == pytest.approx(1 - 3 / 11)
+    assert [r.view.name for r in picker.rank([idle, holds], [], adapter="base")] == ["idle", "holds"]
+    busy = View("holds", running=400, kv_usage=1.0, adapters=frozenset({"sql"}))
+    assert picker.rank([busy, idle], [], adapter="sql", lora_weight=0.5)[0].view.name == "idle"
