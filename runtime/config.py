@@ -162,7 +162,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="schedule each step while the device runs the previous one (default: on for one GPU process, else off)")
     g.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters beside the base model (default: off)")
     g.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
-                   help='adapters loaded at start: name=path or JSON {"name", "path", "base_model_name"}')
+                   help='adapters loaded at start: name=path or JSON {"name", "path", "base_model_name"} (default: none)')
     g.add_argument("--max-loras", type=int, help=f"LoRA adapters on the device at once (default: {d.max_loras})")
     g.add_argument("--max-lora-rank", type=int, help=f"the highest adapter rank accepted (default: {d.max_lora_rank})")
     g.add_argument("--max-cpu-loras", type=int, help="LoRA adapters kept in host memory (default: max-loras)")

@@ -179,7 +179,7 @@ def build_app(state: ServerState) -> FastAPI:
         lora = getattr(stats, "lora", None)  # the adapters in device slots: the router's LoRA affinity
         return json_response({"ready": state.ready()[0], "load": load, "block_size": state.config.block_size,
                               "max_model_len": state.engine.max_model_len, **changes,
-                              **({"lora": {"slots": lora.slots, "max_lora": lora.max_lora}} if lora else {})})
+                              **({"lora": {"slots": lora.slots, "max_lora": lora.max_lora, "base": state.model_name}} if lora else {})})
 
     return app
 

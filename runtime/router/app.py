@@ -218,7 +218,7 @@ class Router:
                 head = b""
             if hashes and resp.status == 200:
                 b.expect(hashes)
-            if adapter is not None and resp.status == 200:
+            if adapter is not None and resp.status == 200 and b.base_model is not None and adapter != b.base_model:
                 b.adapters.add(adapter)  # it loads the adapter now: count it before the next poll does
             done = True
             return _Relay(b, resp, head, chunks, _pass_headers(resp.headers, b))

@@ -35,6 +35,7 @@ class Backend:
         self.running = self.waiting = 0
         self.kv_usage = 0.0
         self.adapters: set[str] = set()  # LoRA adapters in its device slots
+        self.base_model: str | None = None  # its base model's name, where it serves adapters
         self.in_flight = 0  # requests this router has sent and not seen end
         self.slow_polls = 0
         self.last_error = ""
@@ -69,7 +70,9 @@ class Backend:
         load = reply.get("load") or {}
         self.running, self.waiting = int(load.get("running", 0)), int(load.get("waiting", 0))
         self.kv_usage = float(load.get("kv_cache_usage", 0.0))
-        self.adapters = set((reply.get("lora") or {}).get("slots") or ())
+        lora = reply.get("lora")
+        self.adapters = set((lora or {}).get("slots") or ())
+        self.base_model = (lora or {}).get("base")  # None: it serves no adapters
         if self.expected:
             now = time.monotonic()
             self.expected = {h: t for h, t in self.expected.items() if t > now and h not in self.blocks}

@@ -140,7 +140,7 @@ class _DyingEngine:
 
         return EngineStats(len(self.requests), 0, 0.0, 0, 0, 0, 0, 0)
 
-    def add_request(self, rid, prompt, params, arrival_time=None):
+    def add_request(self, rid, prompt, params, arrival_time=None, lora=None):
         self.requests[rid] = prompt
 
     def abort_request(self, rid):
@@ -193,7 +193,7 @@ def test_ready_gauge_turns_0_when_the_engine_dies():
     with in_process_server(state, ready_within=120) as url:
         assert metric(url, "shoal_ready", model_name=MODEL) == 1
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
         assert httpx.get(url + "/ready").status_code == 503 and httpx.get(url + "/health").status_code == 503
         assert metric(url, "shoal_ready", model_name=MODEL) == 0  # before: stayed 1
 
