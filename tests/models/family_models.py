@@ -79,3 +79,22 @@ def hf_reference(model, prompts, max_new_tokens: int):
         tokens.append(out[0, len(ids):].tolist())
         first.append(torch.log_softmax(model(x).logits[0, -1].double(), -1))
     return tokens, first
+
+
+def check_against_reference(llm, family, max_new_tokens: int) -> None:
+    """Run the family's prompts greedily through `llm` (then shut it down) and assert
+    transformers' tokens and first-step log-probabilities within 1e-4."""
+    from shoal import SamplingParams
+
+    model_type, _, prompts, want, first = family
+    try:
+        params = SamplingParams(max_tokens=max_new_tokens, min_tokens=max_new_tokens, temperature=0.0, logprobs=5)
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.engine.shutdown()
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == want, f"{model_type}: {sum(g != w for g, w in zip(got, want))} of {len(want)} sequences differ"
+    for o, ref in zip(outs, first):
+        for token, logprob in o.outputs[0].logprobs[0].items():
+            value = logprob.logprob if hasattr(logprob, "logprob") else logprob
+            assert abs(value - float(ref[token])) < 1e-4, (model_type, token, value, float(ref[token]))

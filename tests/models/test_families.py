@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from family_models import FAMILIES, hf_reference, make_family_model, mixed_prompts
-from shoal import LLM, SamplingParams
+from family_models import FAMILIES, check_against_reference, hf_reference, make_family_model, mixed_prompts
+from shoal import LLM
 
 MAX_NEW = 24
 
@@ -23,20 +23,8 @@ def family(request, tmp_path_factory, builtin_dir):
 
 
 def test_greedy_tokens_and_first_logprobs_match_transformers(family):
-    model_type, path, prompts, want, first = family
-    llm = LLM(str(path), kv_cache_memory=2**24, max_num_batched_tokens=32, attention_backend="torch")
-    try:
-        params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0, logprobs=5)
-        outs = llm.generate(prompts, params)
-    finally:
-        llm.engine.shutdown()
-    got = [o.outputs[0].token_ids for o in outs]
-    assert got == want, f"{model_type}: {sum(g != w for g, w in zip(got, want))} of {len(want)} sequences differ"
-    for o, ref in zip(outs, first):
-        top = o.outputs[0].logprobs[0]
-        for token, logprob in top.items():
-            value = logprob.logprob if hasattr(logprob, "logprob") else logprob
-            assert abs(value - float(ref[token])) < 1e-4, (model_type, token, value, float(ref[token]))
+    llm = LLM(str(family[1]), kv_cache_memory=2**24, max_num_batched_tokens=32, attention_backend="torch")
+    check_against_reference(llm, family, MAX_NEW)
 
 
 def test_unsupported_or_mismatched_configs_are_refused(tmp_path, builtin_dir):

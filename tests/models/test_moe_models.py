@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from family_models import BASE, hf_reference, make_family_model, mixed_prompts
-from shoal import LLM, SamplingParams
+from family_models import BASE, check_against_reference, hf_reference, make_family_model, mixed_prompts
+from shoal import LLM
 
 MAX_NEW = 16
 
@@ -37,27 +37,12 @@ def family(request, tmp_path_factory, builtin_dir):
     return model_type, path, prompts, tokens, first
 
 
-def _check(llm, family):
-    model_type, path, prompts, want, first = family
-    try:
-        params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0, logprobs=5)
-        outs = llm.generate(prompts, params)
-    finally:
-        llm.engine.shutdown()
-    got = [o.outputs[0].token_ids for o in outs]
-    assert got == want, f"{model_type}: {sum(g != w for g, w in zip(got, want))} of {len(want)} sequences differ"
-    for o, ref in zip(outs, first):
-        for token, logprob in o.outputs[0].logprobs[0].items():
-            value = logprob.logprob if hasattr(logprob, "logprob") else logprob
-            assert abs(value - float(ref[token])) < 1e-4, (model_type, token, value, float(ref[token]))
-
-
 def test_greedy_tokens_and_first_logprobs_match_transformers(family):
     model_type, path = family[:2]
     llm = LLM(str(path), kv_cache_memory=2**24, max_num_batched_tokens=32, attention_backend="torch")
     experts = [m for m in llm.engine.executor.model.modules() if type(m).__name__ == "SparseMoeBlock"]
     assert len(experts) == {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 2}[model_type]
-    _check(llm, family)
+    check_against_reference(llm, family, MAX_NEW)
 
 
 def test_checkpoint_holds_per_expert_weights(family):
