@@ -448,10 +448,11 @@ class LLMEngine:
             seq.cumulative_logprob += logprob
         params = seq.request.params
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        may_stop = num_output >= params.min_tokens
+        eos = may_stop and not params.ignore_eos and token in self.eos_ids
+        stop_token = may_stop and not eos and token in params.stop_token_ids
         # an EOS or stop token ends the text without its own (unless asked for), as vLLM's detokenizer
-        ends_here = num_output >= params.min_tokens and (
-            (not params.ignore_eos and token in self.eos_ids) or token in params.stop_token_ids)
-        seq.drop_last_text = ends_here and not params.include_stop_str_in_output
+        seq.drop_last_text = (eos or stop_token) and not params.include_stop_str_in_output
         # text each step only when someone reads it: stop strings, or outputs before the end
         stop = params.stop
         delta = ""
@@ -465,13 +466,12 @@ class LLMEngine:
             if seq.matcher.is_terminated():
                 self._finish(seq, "stop", None)
                 return
-        if num_output >= params.min_tokens:  # it may stop
-            if not params.ignore_eos and token in self.eos_ids:
-                return self._finish(seq, "stop", None)
-            if token in params.stop_token_ids:
-                return self._finish(seq, "stop", token)
-            if stop and (matched := detokenizer.find_stop(seq, delta)) is not None:
-                return self._finish(seq, "stop", matched)
+        if eos:
+            return self._finish(seq, "stop", None)
+        if stop_token:
+            return self._finish(seq, "stop", token)
+        if may_stop and stop and (matched := detokenizer.find_stop(seq, delta)) is not None:
+            return self._finish(seq, "stop", matched)
         if (params.max_tokens is not None and num_output >= params.max_tokens) or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
 
