@@ -29,7 +29,7 @@ from shoal.runtime.entrypoints.job import Job, await_accepted, collect
 from shoal.runtime.entrypoints.prompts import PromptTooLong, context_error
 from shoal.runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from shoal.runtime.entrypoints.reasoning_parsers.output import chat_output
-from shoal.runtime.entrypoints.render import Renderer
+from shoal.runtime.entrypoints.openai_render import Renderer
 from shoal.runtime.entrypoints.scoring import Extras
 from shoal.runtime.entrypoints.state import ServerState
 from shoal.runtime.entrypoints.tool_parsers.chat_template import request_messages

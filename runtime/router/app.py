@@ -35,7 +35,7 @@ from shoal.runtime.entrypoints.errors import RETRY_AFTER_S, dumps, error_respons
 from shoal.runtime.router import picker
 from shoal.runtime.router.backends import Backend, Backends
 from shoal.runtime.router.hashing import PromptHasher
-from shoal.runtime.router.metrics import RouterMetrics
+from shoal.runtime.router.router_metrics import RouterMetrics
 
 logger = logging.getLogger("shoal.router")
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,15 @@ class Server:
     def v1(self) -> str:
         return self.base_url + "/v1"
 
+    def openai(self, timeout: float = 120, api_key: str = "unused"):
+        """The official `openai` client on this server (no retries: a failure shows)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.v1, api_key=api_key, max_retries=0, timeout=timeout)
+
+    def http(self, timeout: float = 120) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout)
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -73,6 +83,19 @@ def start_server(extra_args: list[str] = (), env: dict | None = None, wait_ready
     if wait_ready:
         wait_until_ready(server)
     return server
+
+
+@contextmanager
+def served(args: list[str] = (), env: dict | None = None, clean_exit: bool = True):
+    """A ready `shoal serve ARGS` for a fixture to yield: stopped afterwards, and with
+    `clean_exit` its exit status asserted 0 (a server that crashed under the tests fails them)."""
+    server = start_server(list(args), env=env)
+    try:
+        yield server
+    finally:
+        rc = server.stop()
+    if clean_exit:
+        assert rc == 0, f"server exited with {rc}:\n{server.log()[-3000:]}"
 
 
 def wait_until_ready(server: Server, timeout: float = STARTUP_TIMEOUT) -> None:

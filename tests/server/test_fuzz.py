@@ -62,7 +62,7 @@ def _check(resp: httpx.Response, body) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 

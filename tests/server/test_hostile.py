@@ -22,7 +22,7 @@ CHAT = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def h(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import metric, start_server
+from server_helpers import metric, served
 from shoal.runtime import cpu_threads
 
 MODEL = "smollm2-135m-instruct"
@@ -24,10 +24,9 @@ KEY = "sk-test-not-a-real-secret-0123456789"
 def guarded():
     # A tiny batch and queue (backpressure is reachable), a short stall timeout (a long
     # prefill step trips the watchdog), a key from the environment.
-    s = start_server(["--max-num-seqs", "2", "--max-waiting", "2", "--stall-timeout", "0.4", "--max-num-batched-tokens", "1024", "--drain-timeout", "120"],
-                     env={"SHOAL_API_KEY": KEY})
-    yield s
-    s.stop()
+    with served(["--max-num-seqs", "2", "--max-waiting", "2", "--stall-timeout", "0.4", "--max-num-batched-tokens", "1024", "--drain-timeout", "120"],
+                env={"SHOAL_API_KEY": KEY}, clean_exit=False) as s:
+        yield s
 
 
 def test_startup_phases_logged_and_exported(server):

@@ -14,17 +14,16 @@ import time
 import httpx
 import pytest
 
-from server_helpers import free_port, metric, start_server
+from server_helpers import free_port, metric, served
 
 MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
 def small():
-    s = start_server(["--max-num-seqs", "2", "--max-waiting", "4", "--log-stats-interval", "0.5", "--max-model-len", "512"],
-                     env={"SHOAL_ACCESS_LOG": "1"})
-    yield s
-    s.stop()
+    with served(["--max-num-seqs", "2", "--max-waiting", "4", "--log-stats-interval", "0.5", "--max-model-len", "512"],
+                env={"SHOAL_ACCESS_LOG": "1"}, clean_exit=False) as s:
+        yield s
 
 
 def _burst(base_url: str, bodies: list[dict]) -> list[httpx.Response]:

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_helpers import lora_prompts, make_lora_models, make_peft_adapter, peft_greedy
-from server_helpers import start_server
+from server_helpers import served
 
 MAX_NEW = 8
 
@@ -27,17 +27,14 @@ def models(tmp_path_factory, builtin_dir):
 def server(models):
     root, base, adapters = models
     a1 = json.dumps({"name": "a1", "path": str(adapters["a1"]), "base_model_name": "tiny"})
-    s = start_server([str(base), "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-                      "--lora-modules", f"a0={adapters['a0']}", a1])
-    yield s
-    assert s.stop() == 0, s.log()[-3000:]
+    with served([str(base), "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+                 "--lora-modules", f"a0={adapters['a0']}", a1]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=300)
+    return server.openai(timeout=300)
 
 
 def complete(client, model, prompt, max_tokens=MAX_NEW):
@@ -87,7 +84,7 @@ def test_chat_selects_the_adapter(client, models):
 
 def test_load_and_unload_at_run_time(server, client, models, builtin_dir):
     root, base, adapters = models
-    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+    with server.http(timeout=300) as http:
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(adapters["a2"])})
         assert r.status_code == 200 and "a2" in r.text
         prompts = lora_prompts()[:1]
@@ -127,7 +124,7 @@ def test_unloading_an_adapter_lets_its_requests_finish(server, client, models):
     stream = client.completions.create(model="a0", prompt=prompt, max_tokens=60, temperature=0, stream=True,
                                        extra_body={"min_tokens": 60, "return_token_ids": True})
     tokens, running = [], None
-    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+    with server.http(timeout=300) as http:
         for chunk in stream:
             tokens += chunk.choices[0].token_ids or [] if chunk.choices else []
             if running is None and tokens:

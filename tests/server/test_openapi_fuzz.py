@@ -126,7 +126,7 @@ def test_every_numeric_field_documents_its_range(schema):
 
 @pytest.fixture(scope="module")
 def h(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 

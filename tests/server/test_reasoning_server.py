@@ -12,16 +12,15 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 from engine_helpers import make_tiny_model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from server_helpers import start_server
+from server_helpers import served
 from test_tool_render import make_job
 
 from shoal.runtime.entrypoints.reasoning_parsers import get_reasoning_parser
 from shoal.runtime.entrypoints.reasoning_parsers.output import ChatOutput
-from shoal.runtime.entrypoints.render import Renderer
+from shoal.runtime.entrypoints.openai_render import Renderer
 
 THINKING, ANSWER = "\nTwo and two, so four.\n", "\n\nThe answer is 4."
 TEXT = f"<think>{THINKING}</think>{ANSWER}"
@@ -87,15 +86,13 @@ def reasoning_server(tmp_path_factory, builtin_dir):
     config["chat_template"] = QWEN3_STYLE_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "chat_template.jinja").unlink(missing_ok=True)  # the template file would win over the config's
-    s = start_server([str(path), "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--reasoning-parser", "qwen3"])
-    yield s
-    rc = s.stop()
-    assert rc == 0, f"server exited with {rc}:\n{s.log()[-3000:]}"
+    with served([str(path), "--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--reasoning-parser", "qwen3"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def oai(reasoning_server):
-    return openai.OpenAI(base_url=reasoning_server.v1, api_key="unused", max_retries=0, timeout=120)
+    return reasoning_server.openai()
 
 
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]

@@ -6,13 +6,11 @@ reference for every log-probability."""
 
 from __future__ import annotations
 
-import httpx
-import openai
 import pytest
 import torch
 
 from engine_helpers import make_tiny_model
-from server_helpers import start_server
+from server_helpers import served
 
 BUDGET = 64  # the server's step budget: the long prompts here are prefilled in chunks
 LONG = [(11 * i + 5) % 30000 + 20 for i in range(150)]
@@ -26,20 +24,18 @@ def tiny_dir(tmp_path_factory, builtin_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    s = start_server([str(tiny_dir), "--max-num-batched-tokens", str(BUDGET), "--served-model-name", "tiny"])
-    yield s
-    rc = s.stop()
-    assert rc == 0, f"server exited with {rc}:\n{s.log()[-3000:]}"
+    with served([str(tiny_dir), "--max-num-batched-tokens", str(BUDGET), "--served-model-name", "tiny"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
 def h(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 

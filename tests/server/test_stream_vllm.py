@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from server_helpers import metric, start_server
+from server_helpers import metric, served, start_server
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -119,9 +119,8 @@ def test_one_event_per_token_by_default(http, endpoint):
 
 @pytest.fixture(scope="module")
 def interval_server():
-    s = start_server(["--stream-interval", "4"])
-    yield s
-    assert s.stop() == 0, s.log()[-3000:]
+    with served(["--stream-interval", "4"]) as s:
+        yield s
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -10,11 +10,10 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from engine_helpers import make_tiny_model
-from server_helpers import start_server
+from server_helpers import served
 
 SCHEMAS = [
     {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -39,14 +38,13 @@ CHAT = [{"role": "user", "content": "Describe a thing as JSON."}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, builtin_dir):
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-structured"), builtin_dir)
-    s = start_server([str(model), "--kv-cache-memory", "64MiB"])
-    yield s
-    assert s.stop() == 0, s.log()[-3000:]
+    with served([str(model), "--kv-cache-memory", "64MiB"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +54,7 @@ def model(client):
 
 @pytest.fixture
 def h(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 

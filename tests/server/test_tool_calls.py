@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from engine_helpers import make_tiny_model
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from server_helpers import start_server
+from server_helpers import served
 
 from shoal.runtime.entrypoints.tool_parsers import get_tool_parser
 
@@ -41,16 +41,14 @@ GREEDY = dict(max_tokens=24, temperature=0)
 @pytest.fixture(scope="module")
 def tools_server(tmp_path_factory, builtin_dir):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-tools"), builtin_dir)
-    s = start_server([str(path), "--max-num-seqs", "8", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
-                      "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    yield s
-    rc = s.stop()
-    assert rc == 0, f"server exited with {rc}:\n{s.log()[-3000:]}"
+    with served([str(path), "--max-num-seqs", "8", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def oai(tools_server):
-    return openai.OpenAI(base_url=tools_server.v1, api_key="unused", max_retries=0, timeout=120)
+    return tools_server.openai()
 
 
 @pytest.fixture(scope="module")

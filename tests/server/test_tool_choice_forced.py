@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 from engine_helpers import make_tiny_model
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from server_helpers import start_server
+from server_helpers import served
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -33,10 +32,8 @@ KW = dict(max_tokens=160, temperature=0)
 @pytest.fixture(scope="module")
 def oai(tmp_path_factory, builtin_dir):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny-forced"), builtin_dir)
-    s = start_server([str(path), "--max-num-seqs", "8", "--kv-cache-memory", "64MiB", "--max-model-len", "1024"])
-    yield openai.OpenAI(base_url=s.v1, api_key="unused", max_retries=0, timeout=120)
-    rc = s.stop()
-    assert rc == 0, f"server exited with {rc}:\n{s.log()[-3000:]}"
+    with served([str(path), "--max-num-seqs", "8", "--kv-cache-memory", "64MiB", "--max-model-len", "1024"]) as s:
+        yield s.openai()
 
 
 @pytest.fixture(scope="module")

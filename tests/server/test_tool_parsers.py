@@ -15,7 +15,7 @@ import pytest
 from shoal.runtime.entrypoints.tool_parsers import get_tool_parser, load_tool_parser_plugin, tool_parser_names
 from shoal.runtime.entrypoints.tool_parsers.base import assemble
 from shoal.runtime.entrypoints.tool_parsers.chat_template import hermes_template, renders_tools, template_messages, tool_template
-from shoal.runtime.entrypoints.tool_parsers.choice import ToolChoice, tool_choice_of
+from shoal.runtime.entrypoints.tool_parsers.choice import tool_choice_of
 from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 from shoal.runtime.entrypoints.errors import APIError
 

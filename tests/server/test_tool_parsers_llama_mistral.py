@@ -14,7 +14,6 @@ import pytest
 from shoal.runtime.entrypoints.tool_parsers import get_tool_parser, tool_parser_names
 from shoal.runtime.entrypoints.tool_parsers.base import assemble
 from shoal.runtime.entrypoints.tool_parsers.choice import ToolChoice
-from shoal.runtime.sampling_params import SamplingParams
 
 from test_tool_parsers import random_args
 
@@ -183,7 +182,7 @@ async def test_the_renderer_streams_them_as_openai_reads_them(name, text):
     from openai.types.chat import ChatCompletionChunk
     from test_tool_render import make_job
 
-    from shoal.runtime.entrypoints.render import Renderer
+    from shoal.runtime.entrypoints.openai_render import Renderer
     from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 
     tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("get_weather", "get_time")]

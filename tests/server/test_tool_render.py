@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from shoal.runtime.engine.async_engine import Output
 from shoal.runtime.engine.request import CompletionOutput
 from shoal.runtime.entrypoints.job import Job
-from shoal.runtime.entrypoints.render import Renderer
+from shoal.runtime.entrypoints.openai_render import Renderer
 from shoal.runtime.entrypoints.tool_parsers.choice import tool_choice_of
 from shoal.runtime.entrypoints.tool_parsers.output import ToolOutput
 
