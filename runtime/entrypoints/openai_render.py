@@ -213,7 +213,6 @@ class Renderer:
                 lp = self._logprobs(d.token_ids, d.logprobs or [{}] * len(d.token_ids), off)
                 if not self.chat:
                     self.offsets[index] = off + sum(len(t) for t in lp["tokens"])
-            ids = self.extras is not None and self.extras.return_token_ids and d.token_ids
             if self.chat and self.tools is not None:
                 out.extend(self._tool_chunks(index, d, lp))
             elif d.text or d.token_ids or d.finish_reason is not None or lp is not None:

@@ -17,37 +17,14 @@ Qwen3's enable_thinking=False, see `starts_thinking`).
 
 from __future__ import annotations
 
+from shoal.runtime.entrypoints.streamed_parsers import ParserRegistry, held_suffix
+
 START, END = "<think>", "</think>"
 
-_PARSERS: dict[str, type] = {}
-
-
-def register_reasoning_parser(name: str):
-    def wrap(cls):
-        _PARSERS[name] = cls
-        cls.name = name
-        return cls
-
-    return wrap
-
-
-def get_reasoning_parser(name: str) -> type:
-    try:
-        return _PARSERS[name]
-    except KeyError:
-        raise KeyError(f"no reasoning parser {name!r}; known: {', '.join(sorted(_PARSERS))}") from None
-
-
-def reasoning_parser_names() -> list[str]:
-    return sorted(_PARSERS)
-
-
-def held_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+REASONING_PARSERS = ParserRegistry("reasoning parser")
+register_reasoning_parser = REASONING_PARSERS.register
+get_reasoning_parser = REASONING_PARSERS.get
+reasoning_parser_names = REASONING_PARSERS.names
 
 
 class ReasoningParser:

@@ -23,19 +23,12 @@ import json
 
 import regex
 
+from shoal.runtime.entrypoints.streamed_parsers import held_suffix
 from shoal.runtime.entrypoints.tool_parsers.base import ToolParser, call_arguments, call_start, coalesce
 from shoal.runtime.entrypoints.tool_parsers.registry import register_tool_parser
 
 START, END = "<tool_call>", "</tool_call>"
 HEADER = regex.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"arguments"\s*:\s*\{', regex.DOTALL)
-
-
-def _held_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 @register_tool_parser("hermes")
@@ -89,7 +82,7 @@ class HermesToolParser(ToolParser):
             self.pending = self.pending[i + len(START):]
             self.state = "header"
             return True
-        cut = len(self.pending) - _held_suffix(self.pending, START)
+        cut = len(self.pending) - held_suffix(self.pending, START)
         cut = len(self.pending[:cut].rstrip())
         if cut:
             out.append({"content": self.pending[:cut]})
@@ -153,7 +146,7 @@ class HermesToolParser(ToolParser):
     def _tail(self, out) -> bool:
         i = self.pending.find(END)
         if i < 0:
-            keep = _held_suffix(self.pending, END)
+            keep = held_suffix(self.pending, END)
             self.pending = self.pending[len(self.pending) - keep:] if keep else ""
             return False
         return self._close(i + len(END))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import string
 
-from shoal.runtime.entrypoints.tool_parsers.hermes import _held_suffix
+from shoal.runtime.entrypoints.streamed_parsers import held_suffix
 from shoal.runtime.entrypoints.tool_parsers.json_calls import JsonCallParser, JsonScanner
 from shoal.runtime.entrypoints.tool_parsers.registry import register_tool_parser
 
@@ -61,7 +61,7 @@ class MistralToolParser(JsonCallParser):
             self.lead = self.pending[len(kept):i + len(TOOL_CALLS)]
             self.pending, self.state = self.pending[i + len(TOOL_CALLS):], "after_tag"
             return True
-        cut = len(self.pending) - _held_suffix(self.pending, TOOL_CALLS)
+        cut = len(self.pending) - held_suffix(self.pending, TOOL_CALLS)
         cut = len(self.pending[:cut].rstrip())
         if cut:
             out.append({"content": self.pending[:cut]})

@@ -6,27 +6,12 @@ imports a file that does, before the server checks --tool-call-parser against th
 
 from __future__ import annotations
 
-_PARSERS: dict[str, type] = {}
+from shoal.runtime.entrypoints.streamed_parsers import ParserRegistry
 
-
-def register_tool_parser(name: str):
-    def wrap(cls):
-        _PARSERS[name] = cls
-        cls.name = name
-        return cls
-
-    return wrap
-
-
-def get_tool_parser(name: str) -> type:
-    try:
-        return _PARSERS[name]
-    except KeyError:
-        raise KeyError(f"no tool-call parser {name!r}; known: {', '.join(sorted(_PARSERS))}") from None
-
-
-def tool_parser_names() -> list[str]:
-    return sorted(_PARSERS)
+TOOL_PARSERS = ParserRegistry("tool-call parser")
+register_tool_parser = TOOL_PARSERS.register
+get_tool_parser = TOOL_PARSERS.get
+tool_parser_names = TOOL_PARSERS.names
 
 
 def load_tool_parser_plugin(path: str) -> None:
