@@ -77,6 +77,14 @@ def assemble(deltas: list[dict]) -> ExtractedToolCalls:
     return ExtractedToolCalls(text or None, [calls[i] for i in sorted(calls)])
 
 
+def call_of(obj) -> tuple[str, dict] | None:
+    """(name, arguments) when a parsed object is a call, else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return (obj["name"], args) if isinstance(args, dict) else None
+
+
 class ToolParser:
     """One choice's parser (a fresh instance per choice). `max_calls`: calls beyond it are
     parsed and dropped (parallel_tool_calls: false keeps one)."""
@@ -87,6 +95,7 @@ class ToolParser:
     def __init__(self, tokenizer=None, max_calls: int | None = None):
         self.tokenizer = tokenizer
         self.max_calls = max_calls
+        self.calls = 0  # calls recognised (muted ones included)
 
     def feed(self, text: str) -> list[dict]:
         raise NotImplementedError
@@ -97,3 +106,20 @@ class ToolParser:
     def extract(self, text: str) -> ExtractedToolCalls:
         """The whole response at once (non-streaming); the parser is used up."""
         return assemble(self.feed(text) + self.finish())
+
+    # -- the streamed calls' bookkeeping, for the parsers ------------------------------------
+    def call_id(self) -> str | None:
+        return None  # tool_call_id()
+
+    def start_call(self, name: str, out: list[dict]) -> None:
+        self.calls += 1
+        if not self._muted():
+            out.append(call_start(self.calls - 1, name, self.call_id()))
+
+    def fragment(self, text: str, out: list[dict]) -> None:
+        """More of the current call's arguments."""
+        if text and not self._muted():
+            out.append(call_arguments(self.calls - 1, text))
+
+    def _muted(self) -> bool:
+        return self.max_calls is not None and self.calls > self.max_calls

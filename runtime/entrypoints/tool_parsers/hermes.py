@@ -24,7 +24,7 @@ import json
 import regex
 
 from shoal.runtime.entrypoints.streamed_parsers import held_suffix
-from shoal.runtime.entrypoints.tool_parsers.base import ToolParser, call_arguments, call_start, coalesce
+from shoal.runtime.entrypoints.tool_parsers.base import ToolParser, call_of, coalesce
 from shoal.runtime.entrypoints.tool_parsers.registry import register_tool_parser
 
 START, END = "<tool_call>", "</tool_call>"
@@ -39,7 +39,6 @@ class HermesToolParser(ToolParser):
         self.pending = ""  # text not yet emitted (state text) or the call's body so far (other states)
         self.after_call = False  # drop whitespace right after a call
         self.ws_before = ""  # whitespace before the open tag: dropped for a call, kept for a malformed tag
-        self.calls = 0  # calls recognised (muted ones included)
         self.pos = 0  # arguments: where the scan of pending has reached
         self.depth, self.in_str, self.esc = 0, False, False
 
@@ -97,7 +96,7 @@ class HermesToolParser(ToolParser):
         if not name:
             self.state = "fallback"
             return True
-        self._start_call(name, out)
+        self.start_call(name, out)
         self.pos = m.end() - 1  # the arguments' opening brace
         self.depth, self.in_str, self.esc = 0, False, False
         self.state = "arguments"
@@ -133,7 +132,7 @@ class HermesToolParser(ToolParser):
                 if END.startswith(rest):
                     break  # wait: it may be the closing tag
             pos += 1
-        self._fragment(body[start:pos], out)
+        self.fragment(body[start:pos], out)
         self.pos = pos
         if closed:
             return self._close(pos + len(END))
@@ -166,29 +165,19 @@ class HermesToolParser(ToolParser):
         self.state, self.after_call = "text", True
         return True
 
-    def _muted(self) -> bool:
-        return self.max_calls is not None and self.calls > self.max_calls
-
-    def _start_call(self, name: str, out) -> None:
-        self.calls += 1
+    def start_call(self, name: str, out) -> None:
         self.ws_before = ""
-        if not self._muted():
-            out.append(call_start(self.calls - 1, name))
-
-    def _fragment(self, text: str, out) -> None:
-        if text and not self._muted():
-            out.append(call_arguments(self.calls - 1, text))
+        super().start_call(name, out)
 
     def _whole_block(self, block: str, closed: bool, out) -> None:
         """A block whose header was not the usual one: a call if it parses, else content."""
         try:
-            obj = json.loads(block)
+            call = call_of(json.loads(block))
         except ValueError:
-            obj = None
-        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] and isinstance(args, dict):
-            self._start_call(obj["name"], out)
-            self._fragment(json.dumps(args, ensure_ascii=False), out)
+            call = None
+        if call is not None:
+            self.start_call(call[0], out)
+            self.fragment(json.dumps(call[1], ensure_ascii=False), out)
             self.after_call = True
             return
         out.append({"content": self.ws_before + START + block + (END if closed else "")})

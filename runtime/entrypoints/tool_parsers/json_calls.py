@@ -20,7 +20,7 @@ import json
 
 import regex
 
-from shoal.runtime.entrypoints.tool_parsers.base import ToolParser, call_arguments, call_start, coalesce
+from shoal.runtime.entrypoints.tool_parsers.base import ToolParser, call_of, coalesce
 
 HEADER = regex.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{', regex.DOTALL)
 
@@ -53,20 +53,11 @@ class JsonScanner:
         return -1
 
 
-def call_of(obj) -> tuple[str, dict] | None:
-    """(name, arguments) when a parsed object is a call, else None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return (obj["name"], args) if isinstance(args, dict) else None
-
-
 class JsonCallParser(ToolParser):
     def __init__(self, tokenizer=None, max_calls: int | None = None):
         super().__init__(tokenizer, max_calls)
         self.state = "start"
         self.pending = ""
-        self.calls = 0  # calls recognised (muted ones included)
         self.scanner = JsonScanner()
         self.in_object = True  # the arguments sit inside a call object (a tail follows them)
         self.pos = 0  # whole: how far the object has been scanned
@@ -155,22 +146,6 @@ class JsonCallParser(ToolParser):
         self.fragment(json.dumps(call[1], ensure_ascii=False), out)
         self._object_done(out)
         return True
-
-    # -- pieces --------------------------------------------------------------------------------
-    def call_id(self) -> str | None:
-        return None  # base.tool_call_id()
-
-    def start_call(self, name: str, out) -> None:
-        self.calls += 1
-        if not self._muted():
-            out.append(call_start(self.calls - 1, name, self.call_id()))
-
-    def fragment(self, text: str, out) -> None:
-        if text and not self._muted():
-            out.append(call_arguments(self.calls - 1, text))
-
-    def _muted(self) -> bool:
-        return self.max_calls is not None and self.calls > self.max_calls
 
     # -- the subclass's --------------------------------------------------------------------------
     def _object_done(self, out) -> None:
