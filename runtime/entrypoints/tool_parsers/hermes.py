@@ -25,6 +25,7 @@ import regex
 
 from shoal.runtime.entrypoints.streamed_parsers import held_suffix
 from shoal.runtime.entrypoints.tool_parsers.base import ToolParser, call_of, coalesce
+from shoal.runtime.entrypoints.tool_parsers.json_calls import JsonScanner
 from shoal.runtime.entrypoints.tool_parsers.registry import register_tool_parser
 
 START, END = "<tool_call>", "</tool_call>"
@@ -40,7 +41,7 @@ class HermesToolParser(ToolParser):
         self.after_call = False  # drop whitespace right after a call
         self.ws_before = ""  # whitespace before the open tag: dropped for a call, kept for a malformed tag
         self.pos = 0  # arguments: where the scan of pending has reached
-        self.depth, self.in_str, self.esc = 0, False, False
+        self.scanner = JsonScanner(stop=END)
 
     # -- the machine -------------------------------------------------------------------------
     def feed(self, text: str) -> list[dict]:
@@ -98,45 +99,20 @@ class HermesToolParser(ToolParser):
             return True
         self.start_call(name, out)
         self.pos = m.end() - 1  # the arguments' opening brace
-        self.depth, self.in_str, self.esc = 0, False, False
+        self.scanner = JsonScanner(stop=END)
         self.state = "arguments"
         return True
 
     def _arguments(self, out) -> bool:
-        body, pos, start = self.pending, self.pos, self.pos
-        closed = ended = False
-        while pos < len(body):
-            ch = body[pos]
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    pos += 1
-                    ended = True
-                    break
-            elif ch == "<":
-                rest = body[pos:]
-                if rest.startswith(END):
-                    closed = True
-                    break
-                if END.startswith(rest):
-                    break  # wait: it may be the closing tag
-            pos += 1
+        body, start = self.pending, self.pos
+        end = self.scanner.scan(body, start)
+        stop = self.scanner.stop_at  # the closing tag before the braces closed, or a tail that may be it
+        pos = end if end >= 0 else stop if stop >= 0 else len(body)
         self.fragment(body[start:pos], out)
         self.pos = pos
-        if closed:
-            return self._close(pos + len(END))
-        if ended:
+        if stop >= 0 and body.startswith(END, stop):
+            return self._close(stop + len(END))
+        if end >= 0:
             self.pending = body[pos:]
             self.state = "tail"
             return True

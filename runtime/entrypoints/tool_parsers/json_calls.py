@@ -26,13 +26,17 @@ HEADER = regex.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"(
 
 
 class JsonScanner:
-    """Where a JSON value that opened before `pos` closes, across chunks."""
+    """Where a JSON value that opened before `pos` closes, across chunks. With `stop` (a closing
+    tag the model may write before its braces close), the scan also halts outside a string
+    where `stop`, or what may still become it, begins: `stop_at` says where."""
 
-    def __init__(self, depth: int = 0):
+    def __init__(self, depth: int = 0, stop: str = ""):
         self.depth, self.in_str, self.esc = depth, False, False
+        self.stop, self.stop_at = stop, -1
 
     def scan(self, text: str, pos: int) -> int:
         """The index just past the bracket that brings the depth back to 0, or -1."""
+        self.stop_at = -1
         for i in range(pos, len(text)):
             ch = text[i]
             if self.in_str:
@@ -50,6 +54,9 @@ class JsonScanner:
                 self.depth -= 1
                 if self.depth == 0:
                     return i + 1
+            elif self.stop and ch == self.stop[0] and (text.startswith(self.stop, i) or self.stop.startswith(text[i:])):
+                self.stop_at = i
+                return -1
         return -1
 
 
