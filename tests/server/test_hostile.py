@@ -5,6 +5,7 @@ check that the engine still serves."""
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 
@@ -180,6 +181,15 @@ def _probe_while(c_url: str, fn) -> tuple[list[float], object]:
     return lat, result
 
 
+def assert_no_stall(samples: list[float], what: str) -> None:
+    """No sample far beyond the same run's typical one. The bugs these tests guard stalled
+    probes and streams for 7-13 s against samples of ~0.05 s; a bound relative to the run's own
+    median holds on a loaded machine too, where every sample is slower."""
+    assert samples, f"no {what} was timed"
+    typical = statistics.median(samples)
+    assert max(samples) < max(1.0, 5 * typical), f"{what} took {max(samples):.2f}s against a typical {typical:.2f}s"
+
+
 class _Stream:
     """A streaming completion in a thread, recording the gaps between its chunks."""
 
@@ -213,20 +223,18 @@ def test_maximal_body_is_refused_by_size_while_probes_answer(server, h, endpoint
     assert 7_000_000 < len(raw) < 8 * 2**20
 
     def send():
-        t = time.perf_counter()
-        r = h.post(f"/v1/{'completions' if endpoint == 'completions' else 'chat/completions'}", content=raw, headers={"content-type": "application/json"})
-        return r, time.perf_counter() - t
+        return h.post(f"/v1/{'completions' if endpoint == 'completions' else 'chat/completions'}", content=raw, headers={"content-type": "application/json"})
 
     stream = _Stream(server.base_url, 30)
     while not stream.gaps:  # streaming has begun
         time.sleep(0.02)
-    lat, (r, took) = _probe_while(server.base_url, send)
+    lat, r = _probe_while(server.base_url, send)
     gaps = stream.join()
     err = assert_400(r)
     assert "max_model_len" in err["message"]
-    assert lat and max(lat) < 1.0, f"/health took {max(lat):.2f}s while a big body was refused"
-    assert took < 5.0, f"refusing a 7.8 MB body took {took:.1f}s"
-    assert len(gaps) >= 5 and max(gaps[1:]) < 3.0, f"a running stream stalled {max(gaps[1:]):.1f}s"  # loose: a shared 2-core machine
+    assert_no_stall(lat, "a /health probe")
+    assert len(gaps) >= 5
+    assert_no_stall(gaps[1:], "a running stream's chunk")
     assert_alive(h)
 
 
@@ -238,7 +246,7 @@ def test_big_prompt_is_tokenized_off_the_loop(server, h):
     for r in rs:
         err = assert_400(r, "prompt")
         assert "maximum context length is 1024" in err["message"] and "input tokens" in err["message"]
-    assert max(lat) < 1.0, max(lat)
+    assert_no_stall(lat, "a /health probe")
     assert_alive(h)
 
 
