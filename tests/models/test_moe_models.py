@@ -71,3 +71,38 @@ def test_spec_marks_the_sparse_layers():
     assert q2.moe_layers == [True, False, True] and q2.qkv_bias
     q3 = spec("qwen3_moe")
     assert q3.moe_layers == [False, True, False, True] and q3.qk_norm == "head" and not q3.qkv_bias
+
+
+# ---------------------------------------------------------------- gpt-oss
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory, builtin_dir):
+    from family_models import make_gpt_oss_model
+
+    path, model = make_gpt_oss_model(tmp_path_factory.mktemp("gpt_oss"), builtin_dir)
+    prompts = mixed_prompts()  # most longer than the window of 8
+    tokens, first = hf_reference(model, prompts, MAX_NEW)
+    return "gpt_oss", path, prompts, tokens, first
+
+
+def test_gpt_oss_matches_transformers(gpt_oss):
+    """Sinks, alternating windows, qkv/o biases, YaRN, the biased router's top-k softmax and the
+    biased clamped-SwiGLU experts (loaded from the fused [E, H, 2I] interleaved tensors)."""
+    llm = LLM(str(gpt_oss[1]), kv_cache_memory=2**24, max_num_batched_tokens=32, attention_backend="torch")
+    model = llm.engine.executor.model
+    assert [layer.self_attn.window for layer in model.layers] == [8, 0, 8]
+    assert all(type(layer.mlp).__name__ == "SparseMoeBlock" and layer.mlp.experts.oai for layer in model.layers)
+    check_against_reference(llm, gpt_oss, MAX_NEW)
+
+
+def test_gpt_oss_spec():
+    from transformers import AutoConfig
+
+    from family_models import GPT_OSS
+    from shoal.runtime.models.families import model_type_of, spec_of
+
+    spec = spec_of(AutoConfig.for_model("gpt_oss", **{**BASE, **GPT_OSS}))
+    assert spec.attn_sinks and spec.o_bias and spec.qkv_bias and not spec.plain
+    assert spec.moe_layers == [True] * 3 and spec.windows == [8, 0, 8]
+    assert model_type_of({"architectures": ["GptOssForCausalLM"]}) == "gpt_oss"
