@@ -101,6 +101,10 @@ class FusedMoE(nn.Module):
         elif self.owns_down_bias:
             self.w2_bias.data.copy_(tensor)
 
+    def check_loaded(self) -> None:
+        if self._mxfp4:
+            raise ValueError(f"MXFP4 expert weights without their other half: {sorted(self._mxfp4)}")
+
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """`name` relative to the experts: "N.w1.weight", "N.gate_proj.weight", "gate_up_proj", ..."""
         s, n, I = self.start, self.local, self.intermediate

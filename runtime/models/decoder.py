@@ -324,6 +324,9 @@ class DecoderForCausalLM(nn.Module):
             loaded.add(name)
         if not any(n.startswith("model.layers.") for n in loaded):
             raise ValueError("the checkpoint held no decoder layer weights")
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts.check_loaded()
 
     def _load_layer(self, layer, rest: str, tensor, fused: dict, offset: float) -> None:
         if isinstance(layer.mlp, SparseMoeBlock) and rest.startswith(("mlp.", "block_sparse_moe.")):
