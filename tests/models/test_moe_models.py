@@ -153,3 +153,23 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path, builtin_dir):
     tokens, first = hf_reference(model, prompts, 8)
     llm = LLM(str(path), kv_cache_memory=2**24, max_num_batched_tokens=32, attention_backend="torch")
     check_against_reference(llm, ("gpt_oss-mxfp4", path, prompts, tokens, first), 8)
+
+
+def test_gpt_oss_yarn_table_matches_transformers():
+    """gpt-oss's YaRN RoPE (scaled frequencies and the attention factor folded into cos/sin)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from family_models import GPT_OSS
+    from shoal.runtime.models.decoder import rope_cache
+
+    cfg = AutoConfig.for_model("gpt_oss", **{**BASE, **GPT_OSS})
+    table = rope_cache(cfg, 256)
+    positions = torch.tensor([[0, 5, 63, 64, 200, 255]])
+    cos, sin = GptOssRotaryEmbedding(cfg)(torch.zeros(1, 1, 16), positions)
+    half = table.shape[-1] // 2
+    assert half == cos.shape[-1] == GPT_OSS["head_dim"] // 2
+    torch.testing.assert_close(table[positions[0], :half], cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(table[positions[0], half:], sin[0], rtol=0, atol=1e-6)
+    assert not torch.allclose(cos[0, -1], torch.cos(255 * 150000.0 ** (-torch.arange(0, 16, 2) / 16)))  # YaRN moved it
