@@ -42,8 +42,7 @@ def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float, win
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     scales = dict(k_scale=kv_scales[0], v_scale=kv_scales[1]) if fp8 else {}
     ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
-    if sinks is not None:
-        scales["sinks"] = sinks
+    options = scales | ({"sinks": sinks} if sinks is not None else {})  # the attention kernels' keywords
     nd = meta.num_decode_tokens
     extra = (window, softcap) if window or softcap or fp8 else ()
 
@@ -52,13 +51,13 @@ def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float, win
             assert not extra and sinks is None, "the decode workspace attends over whole contexts, uncapped, sinkless"
             return decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, workspace, meta.decode_plan, scale)
         return ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                          scale, *extra, **scales)
+                                          scale, *extra, **options)
 
     if nd == q.shape[0]:
         return decode()
     prefill = ops.paged_attention_prefill(
         q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
-        *extra, **scales
+        *extra, **options
     )
     if nd == 0:
         return prefill
