@@ -212,3 +212,18 @@ def test_gpt_oss_rank_shards_sum_to_the_whole(expert_parallel):
         parts = [_ours(cfg, weights, ParallelState(tp_rank=r, tp_size=4), expert_parallel) for r in range(4)]
         got = sum(p.experts(ops, x, *p.route(x)) for p in parts)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_oss_bad_weights_are_refused():
+    cfg, hf = _gpt_oss()
+    block = SparseMoeBlock.from_config(cfg)
+    E, I = cfg.num_local_experts, cfg.intermediate_size
+    with pytest.raises(ValueError, match="shape"):
+        block.load("experts.gate_up_proj", torch.zeros(E, H, 2 * I + 2))
+    with pytest.raises(ValueError, match="unexpected"):
+        block.load("experts.0.gate_proj.weight", torch.zeros(I, H))
+    block.load("experts.down_proj_blocks", torch.zeros(E, H, I // 32, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="other half"):
+        block.experts.check_loaded()
+    with pytest.raises(ValueError, match="do not match"):
+        block.load("experts.down_proj_scales", torch.zeros(E, H, 2, dtype=torch.uint8))
