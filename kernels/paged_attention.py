@@ -4,7 +4,8 @@ Both read K/V straight from the cache [num_blocks, block_size, kvh, d] through t
 table, one token tile at a time; nothing is gathered into contiguous memory. The query heads
 that share a KV head (grouped-query attention, any ratio) are packed into the rows of one
 tile, so each K/V tile is loaded once per group. Head sizes that are not powers of two (80,
-96) are padded to the next power of two with masks. Softmax runs online in float32 (base 2).
+96) are padded to the next power of two with masks. Softmax runs online in float32 (base 2);
+gpt-oss's attention sinks join its denominator once, at the end (the reduce pass under split-K).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _v_scale(v_cache, v_scale) -> float:
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sinks_ptr,
     qk_scale,  # softmax scale * log2(e); with SOFTCAP, the softmax scale alone (times a float8 cache's k_scale)
     softcap, window,  # softcap: Gemma 2's cap (SOFTCAP); window: 0 or the sliding window
     v_scale,  # a float8 cache's value scale (1.0 otherwise), applied to the output
@@ -68,6 +69,7 @@ def _decode_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_TY: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -128,6 +130,11 @@ def _decode_kernel(
         l_i = tl.where(l_i > 0, l_i, 1.0)
     acc = acc * v_scale
     if DIRECT:
+        if SINKS:  # the head's sink logit joins the denominator (base 2, as the scores)
+            sink = tl.load(sinks_ptr + head, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_f = tl.maximum(m_i, sink)
+            acc = acc * tl.exp2(m_i - m_f)[:, None]
+            l_i = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
         o = acc / l_i[:, None]
         tl.store(out_ptr + b * s_ob + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -141,10 +148,10 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, ctx_ptr, out_ptr,
+    mid_o_ptr, mid_lse_ptr, ctx_ptr, out_ptr, sinks_ptr,
     s_ob, s_oh, s_od,
     NUM_SPLITS, SPLIT_SIZE,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -156,10 +163,17 @@ def _decode_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
     row = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
     lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
+    top = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    w = tl.exp2(lse - top)
     w = tl.where(s_mask & (lse > float("-inf")), w, 0.0)
     o = tl.load(mid_o_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    denom = tl.sum(w, 0)
+    if SINKS:  # the sink joins the denominator once, over all splits
+        denom += tl.exp2(sink - top)
+    o = tl.sum(o * w[:, None], 0) / denom
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d * s_od, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -181,8 +195,8 @@ def decode_split_size(B: int, kvh: int, max_len: int, block_n: int, device) -> i
     return cdiv(cdiv(max_len, splits), block_n) * block_n
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, k_scale=1.0, v_scale=1.0, *,
-           split_size=None, block_n=None, num_warps=4):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, k_scale=1.0, v_scale=1.0,
+           sinks=None, *, split_size=None, block_n=None, num_warps=4):
     """paged_attention_decode with its tuning knobs exposed (tests force split-K with them)."""
     B, h, d = q.shape
     if block_n is None:
@@ -205,28 +219,29 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, sof
     else:
         mid_o = torch.empty((B, h, num_splits, d_pad), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, h, num_splits), dtype=torch.float32, device=q.device)
+    sinks_arg = q if sinks is None else sinks.contiguous()  # unread without SINKS
     _decode_kernel[(B, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, sinks_arg,
         _qk_scale(scale, softcap, k_cache, k_scale), float(softcap), int(window), _v_scale(v_cache, v_scale),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         num_splits, split_size,
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n,
         DIRECT=direct, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype), SOFTCAP=bool(softcap),
-        num_warps=num_warps,
+        SINKS=sinks is not None, num_warps=num_warps,
     )
     if not direct:
         _decode_reduce_kernel[(B, h)](
-            mid_o, mid_lse, context_lens, out, *out.stride(), num_splits, split_size,
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=next_pow2(num_splits),
+            mid_o, mid_lse, context_lens, out, sinks_arg, *out.stride(), num_splits, split_size,
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=next_pow2(num_splits), SINKS=sinks is not None,
         )
     return out
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
-                           softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
+                           softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0, sinks=None):
     """One query token per sequence: q [B, h, d] -> [B, h, d]."""
-    return decode(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale)
+    return decode(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, k_scale, v_scale, sinks)
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,7 +250,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_ptr, out_ptr, sinks_ptr,
     qk_scale, num_seqs, softcap, window, v_scale,
     s_qt, s_qh, s_qd,
     s_kn, s_kb, s_kh, s_kd,
@@ -244,7 +259,7 @@ def _prefill_kernel(
     s_ot, s_oh, s_od,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_TY: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -317,6 +332,11 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v, input_precision=PRECISION)
         m_i = m_new
 
+    if SINKS:  # each row's head sink joins the denominator (base 2, as the scores)
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        acc = acc * tl.exp2(m_i - m_f)[:, None]
+        l_i = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
     l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past q_len saw nothing; they are not stored
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -324,7 +344,7 @@ def _prefill_kernel(
 
 
 def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0, k_scale=1.0,
-            v_scale=1.0, *, block_m=None, block_n=None, num_warps=4):
+            v_scale=1.0, sinks=None, *, block_m=None, block_n=None, num_warps=4):
     """paged_attention_prefill with its tile sizes exposed (tests shrink them to cover tiling)."""
     Tq, h, d = q.shape
     small = q.dtype == torch.float32  # float32 tiles: 4x smaller, to fit the shared memory of every GPU
@@ -343,22 +363,24 @@ def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sc
         return out
     grid = (Tq // block_q + B, kvh)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, q if sinks is None else sinks.contiguous(),
         _qk_scale(scale, softcap, k_cache, k_scale), B, float(softcap), int(window), _v_scale(v_cache, v_scale),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         G=g, G_PAD=g_pad, HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_SIZE=bs,
         BLOCK_Q=block_q, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype),
-        SOFTCAP=bool(softcap), num_warps=num_warps,
+        SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=num_warps,
     )
     return out
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                            window: int = 0, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
+                            window: int = 0, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+                            sinks=None):
     """A ragged batch of new tokens, causal over each sequence's cached prefix + new tokens.
 
     q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
     they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
     """
-    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap, k_scale, v_scale)
+    return prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap, k_scale, v_scale,
+                   sinks)
 

@@ -10,6 +10,8 @@ Shapes (T new tokens in a step, B sequences, h query heads, kvh KV heads, d head
   slot_mapping       [T] int64: block_id * block_size + offset of each new token
   window             0, or a sliding window: a query at position p sees keys p - window < k <= p
   softcap            0, or Gemma 2's cap on attention scores: s -> softcap * tanh(s / softcap)
+  sinks              None, or [h] float: gpt-oss's attention sinks, a learned logit per query head
+                     that joins each softmax's denominator (its own probability is dropped)
   k_scale, v_scale   a float8 e4m3 cache (--kv-cache-dtype fp8) holds key / k_scale and
                      value / v_scale (saturated at +-448); the kernels read them back times
                      the scale. A cache in the model's dtype ignores them.
@@ -57,8 +59,17 @@ def _softcap(scores, softcap: float):
     return scores.div_(softcap).tanh_().mul_(softcap) if softcap else scores
 
 
+def _softmax(scores, sinks=None):
+    """Softmax over the last dim; with `sinks` (broadcastable to scores[..., :1]), each row's sink
+    logit joins the denominator and its probability is dropped (gpt-oss)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+
+
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, window: int = 0,
-                           softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
+                           softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0, sinks=None):
     """One query token per sequence: q [B, h, d] -> [B, h, d]."""
     B, h, d = q.shape
     kvh = k_cache.shape[2]
@@ -73,21 +84,24 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     if window:
         pad |= steps <= (context_lens - 1 - window)[:, None]
     scores.view(kvh, B, g, L).masked_fill_(pad[None, :, None, :], float("-inf"))
-    out = torch.bmm(scores.softmax(-1), v)  # [kvh*B, g, d]
+    if sinks is not None:  # head kv * g + j sits at row (kv, b, j)
+        sinks = sinks.view(kvh, 1, g, 1).expand(kvh, B, g, 1).reshape(kvh * B, g, 1)
+    out = torch.bmm(_softmax(scores, sinks), v)  # [kvh*B, g, d]
     return out.view(kvh, B, g, d).transpose(0, 1).reshape(B, h, d)
 
 
 def paged_attention_prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                            window: int = 0, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0):
+                            window: int = 0, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
+                            sinks=None):
     """A ragged batch of new tokens, causal over each sequence's cached prefix + new tokens.
 
     q [Tq, h, d] holds sequence b's tokens at rows query_start_loc[b]:query_start_loc[b+1];
     they sit at the last positions of its context_lens[b] tokens. Returns [Tq, h, d].
     """
     kv_scales = (k_scale, v_scale)
-    if window or softcap:  # masks SDPA's causal kernel cannot express: explicit scores
+    if window or softcap or sinks is not None:  # what SDPA's causal kernel cannot express: explicit masks
         return _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window, softcap,
-                               kv_scales)
+                               kv_scales, sinks)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     # Placing each query at its absolute position lets SDPA's causal kernel skip the upper
     # triangle (half the work of a first chunk), but computes a row for every cached
@@ -148,7 +162,7 @@ def _prefill_causal(q, k_cache, v_cache, block_tables, query_start_loc, context_
 
 
 def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale: float,
-                    window: int = 0, softcap: float = 0.0, kv_scales=(1.0, 1.0)):
+                    window: int = 0, softcap: float = 0.0, kv_scales=(1.0, 1.0), sinks=None):
     """Only the new tokens as queries, with an explicit mask of what each one sees."""
     Tq, h, d = q.shape
     dev = q.device
@@ -165,12 +179,13 @@ def _prefill_masked(q, k_cache, v_cache, block_tables, query_start_loc, context_
     visible = keys <= pos[:, :, None]  # [B, max_q, L]
     if window:
         visible &= keys > pos[:, :, None] - window
-    if softcap:  # scores by hand: SDPA has no cap
+    if softcap or sinks is not None:  # scores by hand: SDPA has no cap and no sink
         kvh = k.shape[1]
         qg = q[rows].view(len(rows), max_q, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [B, kvh, g, max_q, d]
         scores = _softcap(torch.matmul(qg, k[:, :, None].transpose(-1, -2)).mul_(scale), softcap)
         scores.masked_fill_(~visible[:, None, None], float("-inf"))
-        out = torch.matmul(scores.softmax(-1), v[:, :, None]).reshape(len(rows), h, max_q, d)
+        sink = None if sinks is None else sinks.view(1, kvh, h // kvh, 1, 1)
+        out = torch.matmul(_softmax(scores, sink), v[:, :, None]).reshape(len(rows), h, max_q, d)
     else:
         out = F.scaled_dot_product_attention(
             q[rows].transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=True
@@ -219,15 +234,35 @@ def gelu_tanh_and_mul(x):
     return F.gelu(gate, approximate="tanh") * up
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids):
-    """SwiGLU experts, each token through its top-k: x [T, H] -> sum_j w_j * expert_{id_j}(x) [T, H].
+def swiglu_oai_and_mul(x, alpha: float = 1.702, limit: float = 7.0):
+    """gpt-oss's clamped SwiGLU: x [T, 2I] (gate, then up) -> (up + 1) * gate * sigmoid(alpha * gate)
+    [T, I], the gate clamped to at most `limit` and up to [-limit, limit] first."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _gated(x, activation: str, alpha: float, limit: float):
+    if activation == "silu":
+        return silu_and_mul(x)
+    if activation == "swiglu_oai":
+        return swiglu_oai_and_mul(x, alpha, limit)
+    raise ValueError(f"unknown expert activation {activation!r}")
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation: str = "silu",
+              alpha: float = 1.702, limit: float = 7.0):
+    """Gated experts, each token through its top-k: x [T, H] -> sum_j w_j * expert_{id_j}(x) [T, H].
 
     w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H, I] its down
     projection; topk_weights [T, k] (float32), topk_ids [T, k] int. An id outside [0, E) names
     an expert this rank does not hold (expert parallelism): that pair adds nothing. The T*k
     (token, expert) pairs are sorted by expert and each projection is one grouped GEMM over the
     experts' segments, not a loop over experts. The result keeps x's dtype; the weighted sum
-    over k is taken in float32.
+    over k is taken in float32. gpt-oss: w13_bias [E, 2I] and w2_bias [E, H] join each
+    expert's projections (the weight multiplies the down projection with its bias), and
+    activation "swiglu_oai" is its clamped SwiGLU (swiglu_oai_and_mul, alpha and limit);
+    "silu" is SwiGLU.
     """
     T, k = topk_ids.shape
     E = w13.shape[0]
@@ -236,10 +271,17 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
     flat = torch.where(here, flat, E)  # pairs for other ranks sort last, past every segment
     order = flat.argsort(stable=True)  # pair indices, expert by expert
     token = order // k
+    expert = flat[order].clamp(max=E - 1)  # each sorted row's expert (rows of other ranks: any, dropped below)
     # bincount reads its input's max on the host (a sync, no CUDA graph); a scatter does not
     counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))[:E]
-    h = silu_and_mul(_grouped_linear(x[token], w13, counts))  # [T*k, I]
-    y = _grouped_linear(h, w2, counts).float() * topk_weights.reshape(-1)[order, None].float()
+    gate_up = _grouped_linear(x[token], w13, counts)  # [T*k, 2I]
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias[expert]
+    h = _gated(gate_up, activation, alpha, limit)  # [T*k, I]
+    down = _grouped_linear(h, w2, counts)
+    if w2_bias is not None:
+        down = down + w2_bias[expert]
+    y = down.float() * topk_weights.reshape(-1)[order, None].float()
     y = torch.where(here[order, None], y, 0.0)  # rows past the segments were never computed
     return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
 

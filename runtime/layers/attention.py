@@ -29,33 +29,35 @@ class AttentionMetadata:
 
 
 def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float, window: int = 0,
-           softcap: float = 0.0, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+           softcap: float = 0.0, kv_scales: tuple[float, float] = (1.0, 1.0), sinks=None) -> torch.Tensor:
     """q [T, h, d], k/v [T, kvh, d] -> [T, h, d]. layer_cache is (kv, workspace): kv is
     [2, num_blocks, block_size, kvh, d]; workspace is the decode mirror, or None. `window`
     (a sliding window) and `softcap` (Gemma 2) go to the kernels only when set, so kernels
     that know neither (the C step's prefill, the workspace) serve the models without them.
     A float8 cache (--kv-cache-dtype fp8) stores k / k_scale and v / v_scale (kv_scales);
-    neither the C step nor the workspace reads one."""
+    neither the C step nor the workspace reads one. `sinks` [h] (gpt-oss): each head's logit in
+    its softmax's denominator, given to the kernels only when set, as the window."""
     kv, workspace = layer_cache
     k_cache, v_cache = kv[0], kv[1]
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     scales = dict(k_scale=kv_scales[0], v_scale=kv_scales[1]) if fp8 else {}
     ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+    options = scales | ({"sinks": sinks} if sinks is not None else {})  # the attention kernels' keywords
     nd = meta.num_decode_tokens
     extra = (window, softcap) if window or softcap or fp8 else ()
 
     def decode():
         if meta.decode_plan is not None:
-            assert not extra, "the decode workspace attends over whole contexts, uncapped"
+            assert not extra and sinks is None, "the decode workspace attends over whole contexts, uncapped, sinkless"
             return decode_attention(q[:nd], k[:nd], v[:nd], k_cache, v_cache, workspace, meta.decode_plan, scale)
         return ops.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                          scale, *extra, **scales)
+                                          scale, *extra, **options)
 
     if nd == q.shape[0]:
         return decode()
     prefill = ops.paged_attention_prefill(
         q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
-        *extra, **scales
+        *extra, **options
     )
     if nd == 0:
         return prefill

@@ -209,15 +209,17 @@ class QKVLinear(MergedColumnLinear):
 
 
 class RowLinear(nn.Module):
-    """reduce=False leaves the partial sum to the caller (a block that adds several and reduces once)."""
+    """reduce=False leaves the partial sum to the caller (a block that adds several and reduces once).
+    A bias (gpt-oss's o_proj) is added once: after the all-reduce, or on rank 0 of an unreduced sum."""
 
     def __init__(self, input_size: int, output_size: int, state: ParallelState = SINGLE, method: LinearMethod = PLAIN,
-                 reduce: bool = True):
+                 reduce: bool = True, bias: bool = False):
         super().__init__()
         self.state, self.method, self.reduce, self.output_size = state, method, reduce, output_size
         self.start, end = shard_range(input_size, state)
         self.input_size = end - self.start
         method.create_weights(self, output_size, self.input_size)
+        self.bias = _param(output_size) if bias else None
 
     def load(self, loaded: torch.Tensor, name: str = "weight") -> None:
         """This rank's input features of the full checkpoint tensor `name`."""
@@ -236,7 +238,11 @@ class RowLinear(nn.Module):
         out = self.method.apply(self, x, None)
         if self.lora is not None:
             out = self.lora(self, x, out)
-        return tp_all_reduce(out, self.state) if self.reduce else out
+        if self.reduce:
+            out = tp_all_reduce(out, self.state)
+        if self.bias is not None and (self.reduce or self.state.tp_rank == 0):
+            out = out + self.bias
+        return out
 
 
 class VocabEmbedding(nn.Module):

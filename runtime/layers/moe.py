@@ -1,6 +1,7 @@
-"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) over ops.fused_moe.
+"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) over ops.fused_moe.
 
-A router (softmax over the experts, top-k, optionally renormalised) picks each token's experts;
+A router (softmax over the experts, top-k, optionally renormalised; gpt-oss: a biased router,
+top-k of the logits, softmax over those k) picks each token's experts;
 the experts run as one fused grouped GEMM per projection (kernels/: reference.fused_moe and
 the Triton fused_moe), never a loop over experts. Tensor parallel: every rank holds each
 expert's slice of the intermediate dimension (as MergedColumnLinear/RowLinear split a dense
@@ -13,6 +14,11 @@ Checkpoint names, relative to the block (`block_sparse_moe.` in Mixtral, `mlp.` 
   experts.N.{gate,up,down}_proj.weight          Qwen2/3-MoE (what save_pretrained writes)
   experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]   transformers' fused in-memory layout
   shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight   Qwen2-MoE
+  router.{weight,bias}                          gpt-oss's router [E, H], [E]
+  experts.gate_up_proj [E, H, 2I], experts.gate_up_proj_bias [E, 2I]   gpt-oss: gate and up
+      interleaved along 2I (gate at even columns), transposed to (in, out)
+  experts.down_proj [E, I, H], experts.down_proj_bias [E, H]           gpt-oss
+  experts.{gate_up,down}_proj_{blocks,scales}   gpt-oss's MXFP4 form of the two (dequantized at load)
 """
 
 from __future__ import annotations
@@ -33,13 +39,17 @@ def _param(*shape) -> nn.Parameter:
 
 
 class FusedMoE(nn.Module):
-    """SwiGLU experts as two stacked weights: w13 [E_local, 2*I_local, H] (each expert's gate
+    """Gated experts as two stacked weights: w13 [E_local, 2*I_local, H] (each expert's gate
     rows, then its up rows) and w2 [E_local, H, I_local]. Over tensor-parallel ranks each holds
     every expert's slice of I, or (expert_parallel) a run of whole experts, the pairs routed to
-    the others' skipped. forward returns this rank's partial sum."""
+    the others' skipped. forward returns this rank's partial sum.
+
+    gpt-oss (`oai`: its checkpoint layout, biases, the clamped SwiGLU with `swiglu` = (alpha,
+    limit)): w13_bias [E_local, 2*I_local] as w13's rows, w2_bias [E_local, H] held by the rank
+    that owns the expert's output (rank 0 when every rank holds a slice of each expert)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0)):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         if expert_parallel:
@@ -51,10 +61,55 @@ class FusedMoE(nn.Module):
             self.local = end - self.start
         self.w13 = _param(last - self.first_expert, 2 * self.local, hidden)
         self.w2 = _param(last - self.first_expert, hidden, self.local)
+        self.oai, self.swiglu = oai, swiglu
+        self.w13_bias = self.w2_bias = None
+        self._mxfp4 = {}  # blocks or scales waiting for their other half
+        if oai:
+            self.w13_bias = _param(last - self.first_expert, 2 * self.local)
+            self.w2_bias = _param(last - self.first_expert, hidden)
+            self.w2_bias.data.zero_()
+            self.owns_down_bias = expert_parallel or state.tp_rank == 0
+
+    def _load_oai(self, name: str, tensor: torch.Tensor) -> None:
+        """gpt-oss's fused tensors (module docstring): gate/up de-interleaved into w13's halves."""
+        s, n, I, H, E = self.start, self.local, self.intermediate, self.hidden, self.num_experts
+        if name.endswith(("_blocks", "_scales")):
+            base, kind = name.rsplit("_", 1)
+            self._mxfp4[(base, kind)] = tensor
+            other = self._mxfp4.get((base, "scales" if kind == "blocks" else "blocks"))
+            if other is None:
+                return
+            blocks, scales = (tensor, other) if kind == "blocks" else (other, tensor)
+            del self._mxfp4[(base, "blocks")], self._mxfp4[(base, "scales")]
+            weight = dequantize_mxfp4(blocks, scales)  # [E, out, in]: the (out, in) orientation already
+            name, tensor = base, weight.transpose(1, 2)  # as the unquantized checkpoint stores it
+        want = {"gate_up_proj": (E, H, 2 * I), "gate_up_proj_bias": (E, 2 * I), "down_proj": (E, I, H),
+                "down_proj_bias": (E, H)}
+        if name not in want:
+            raise ValueError(f"unexpected expert weight {name!r}")
+        _check_shape(name, tensor, want[name])
+        tensor = tensor[self.first_expert : self.first_expert + self.w13.shape[0]]
+        if name == "gate_up_proj":
+            gate, up = tensor[..., 0::2].transpose(1, 2), tensor[..., 1::2].transpose(1, 2)  # [E, I, H] each
+            self.w13.data[:, :n].copy_(gate[:, s : s + n])
+            self.w13.data[:, n:].copy_(up[:, s : s + n])
+        elif name == "gate_up_proj_bias":
+            self.w13_bias.data[:, :n].copy_(tensor[:, 0::2][:, s : s + n])
+            self.w13_bias.data[:, n:].copy_(tensor[:, 1::2][:, s : s + n])
+        elif name == "down_proj":
+            self.w2.data.copy_(tensor.transpose(1, 2)[:, :, s : s + n])
+        elif self.owns_down_bias:
+            self.w2_bias.data.copy_(tensor)
+
+    def check_loaded(self) -> None:
+        if self._mxfp4:
+            raise ValueError(f"MXFP4 expert weights without their other half: {sorted(self._mxfp4)}")
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """`name` relative to the experts: "N.w1.weight", "N.gate_proj.weight", "gate_up_proj", ..."""
         s, n, I = self.start, self.local, self.intermediate
+        if self.oai:
+            return self._load_oai(name, tensor)
         if name in ("gate_up_proj", "down_proj"):  # every expert at once
             want = (self.num_experts, 2 * I, self.hidden) if name == "gate_up_proj" else (self.num_experts, self.hidden, I)
             _check_shape(name, tensor, want)
@@ -84,7 +139,27 @@ class FusedMoE(nn.Module):
     def forward(self, ops, x, topk_weights, topk_ids):
         if self.first_expert:  # ids of this rank's experts from 0; the others' fall outside and add nothing
             topk_ids = topk_ids - self.first_expert
+        if self.oai:
+            alpha, limit = self.swiglu
+            return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_bias, self.w2_bias,
+                                 activation="swiglu_oai", alpha=alpha, limit=limit)
         return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+
+
+# MXFP4 (OCP microscaling): 4-bit e2m1 values two to a byte (low nibble first), one power-of-two
+# scale (e8m0, bias 127) per 32 values along the input features
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> float32 [..., G * 32]."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    b = blocks.to(torch.uint8).long()
+    values = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., G, 32]
+    values = torch.ldexp(values, (scales.to(torch.int32) - 127)[..., None])
+    return values.flatten(-2)
 
 
 def _check_shape(name, tensor, want) -> None:
@@ -96,13 +171,17 @@ class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's shared expert, gated by sigmoid(shared_expert_gate(x)))."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
-                 renormalize: bool = True, shared_intermediate: int = 0, expert_parallel: bool = False):
+                 renormalize: bool = True, shared_intermediate: int = 0, expert_parallel: bool = False,
+                 oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0)):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"cannot route each token to {top_k} of {num_experts} experts")
         self.state, self.top_k, self.renormalize = state, top_k, renormalize
         self.gate = _param(num_experts, hidden)  # replicated: every rank routes alike
-        self.experts = FusedMoE(num_experts, hidden, intermediate, state, expert_parallel)
+        # gpt-oss (oai): a biased router whose top-k logits are softmaxed among themselves
+        self.topk_softmax = oai
+        self.gate_bias = _param(num_experts) if oai else None
+        self.experts = FusedMoE(num_experts, hidden, intermediate, state, expert_parallel, oai=oai, swiglu=swiglu)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             self.shared_expert = SharedExpert(hidden, shared_intermediate, state)
@@ -119,10 +198,18 @@ class SparseMoeBlock(nn.Module):
             shared = getattr(cfg, "shared_expert_intermediate_size", 0) if cfg.model_type == "qwen2_moe" else 0
             return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, state,
                        renormalize=bool(cfg.norm_topk_prob), shared_intermediate=shared, expert_parallel=expert_parallel)
+        if cfg.model_type == "gpt_oss":
+            return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, state,
+                       renormalize=False, expert_parallel=expert_parallel, oai=True,
+                       swiglu=(float(cfg.swiglu_alpha), float(cfg.swiglu_limit)))
         raise ValueError(f"no mixture-of-experts block for model type {cfg.model_type!r}")
 
     def route(self, x):
-        """(topk_weights [T, k] float32, topk_ids [T, k]): softmax over every expert, then top-k."""
+        """(topk_weights [T, k] float32, topk_ids [T, k]): softmax over every expert, then top-k
+        (gpt-oss: top-k of the biased logits, then softmax over those k)."""
+        if self.topk_softmax:
+            logits, ids = F.linear(x, self.gate, self.gate_bias).topk(self.top_k, dim=-1)
+            return logits.float().softmax(dim=-1), ids
         probs = F.linear(x, self.gate).float().softmax(dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
@@ -138,9 +225,12 @@ class SparseMoeBlock(nn.Module):
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """`name` relative to the block, e.g. "gate.weight", "experts.3.w1.weight" (module docstring)."""
-        if name == "gate.weight":
+        if name in ("gate.weight", "router.weight"):
             _check_shape(name, tensor, self.gate.shape)
             self.gate.data.copy_(tensor)
+        elif self.gate_bias is not None and name == "router.bias":
+            _check_shape(name, tensor, self.gate_bias.shape)
+            self.gate_bias.data.copy_(tensor)
         elif name.startswith("experts."):
             self.experts.load(name[len("experts."):], tensor)
         elif self.shared_expert is not None and name == "shared_expert_gate.weight":

@@ -5,7 +5,8 @@ tied or untied embeddings), with what each family changes read from its DecoderS
 (families.py): Gemma's sandwich norms as (1 + w), GeGLU and soft-caps, q/k norms (Qwen3,
 Gemma 3, OLMo 2), OLMo 2's post-norms, Granite's multipliers, Phi-3's fused checkpoint
 and LongRoPE, sliding windows per layer with their own RoPE (Gemma 3), and mixture-of-experts
-blocks in place of the MLP (Mixtral, Qwen2/3-MoE: layers/moe.py). Inputs are a flat
+blocks in place of the MLP (Mixtral, Qwen2/3-MoE, gpt-oss: layers/moe.py), gpt-oss's
+attention sinks and o_proj bias. Inputs are a flat
 batch of T tokens (no padding); a pipeline stage holds only its own layers and passes
 (hidden, residual) on.
 """
@@ -105,13 +106,16 @@ class Attention(nn.Module):
         prefix = f"model.layers.{layer}.self_attn"
         self.qkv_proj = QKVLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, state, spec.qkv_bias,
                                   method=method_for(f"{prefix}.qkv_proj"))
-        self.o_proj = RowLinear(cfg.num_attention_heads * d, cfg.hidden_size, state, method=method_for(f"{prefix}.o_proj"))
+        self.o_proj = RowLinear(cfg.num_attention_heads * d, cfg.hidden_size, state, method=method_for(f"{prefix}.o_proj"),
+                                bias=spec.o_bias)
         self.head_dim = d
         self.scale = spec.attn_scale if spec.attn_scale is not None else d**-0.5
         self.window, self.softcap = spec.windows[layer], spec.attn_softcap
         self.kv_scales = (1.0, 1.0)  # a float8 KV cache's (k_scale, v_scale): the checkpoint's, else 1.0 as vLLM
         self.rope_key = spec.rope_keys[layer]
         self.splits = self.qkv_proj.local_sizes
+        # gpt-oss: one sink logit per query head; this rank's heads (loaded as q_proj's rows)
+        self.sinks = nn.Parameter(torch.zeros(self.splits[0] // d), requires_grad=False) if spec.attn_sinks else None
         self.qk_norm = spec.qk_norm
         eps = cfg.rms_norm_eps
         if spec.qk_norm == "head":
@@ -136,7 +140,8 @@ class Attention(nn.Module):
         else:  # partial rotary (Phi-4-mini): the first rd features of each head turn
             qr, kr = ops.rotary_embedding(positions, q[..., :rd], k[..., :rd], cos_sin)
             q, k = torch.cat((qr, q[..., rd:]), -1), torch.cat((kr, k[..., rd:]), -1)
-        out = attend(ops, q, k, v.view(T, -1, d), kv_cache, meta, self.scale, self.window, self.softcap, self.kv_scales)
+        out = attend(ops, q, k, v.view(T, -1, d), kv_cache, meta, self.scale, self.window, self.softcap, self.kv_scales,
+                     self.sinks)
         return self.o_proj(out.view(T, -1))
 
 
@@ -259,8 +264,9 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def windowed(self) -> bool:
-        """Whether any layer attends through a sliding window or soft-caps its scores."""
-        return any(layer.self_attn.window or layer.self_attn.softcap for layer in self.layers)
+        """Whether any layer attends through a sliding window, soft-caps its scores or has sinks."""
+        return any(layer.self_attn.window or layer.self_attn.softcap or layer.self_attn.sinks is not None
+                   for layer in self.layers)
 
     def forward(self, ops, input_ids, positions, kv_caches, meta, hidden=None, residual=None):
         """First stage: from token ids; later stages: from the previous stage's (hidden, residual).
@@ -318,6 +324,9 @@ class DecoderForCausalLM(nn.Module):
             loaded.add(name)
         if not any(n.startswith("model.layers.") for n in loaded):
             raise ValueError("the checkpoint held no decoder layer weights")
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts.check_loaded()
 
     def _load_layer(self, layer, rest: str, tensor, fused: dict, offset: float) -> None:
         if isinstance(layer.mlp, SparseMoeBlock) and rest.startswith(("mlp.", "block_sparse_moe.")):
@@ -331,6 +340,10 @@ class DecoderForCausalLM(nn.Module):
             for i in KV_SCALES[kind]:
                 scales[i] = float(tensor.float().max())
             attn.kv_scales = tuple(scales)
+            return
+        if module_name == "self_attn" and kind == "sinks" and attn.sinks is not None:  # gpt-oss: this rank's heads
+            _, start, count = attn.qkv_proj._rows(0)
+            attn.sinks.data.copy_(tensor[start // attn.head_dim : (start + count) // attn.head_dim])
             return
         if kind in ("k_scale", "v_scale", "q_scale", "prob_scale") or (leaf in ("k_proj", "v_proj") and kind == "output_scale"):
             return  # attention scales Shoal does not use (fp8 attention math), or the older k_proj.output_scale

@@ -3,7 +3,8 @@
 A family is a handful of switches on the Llama-shaped decoder in decoder.py, read from its
 Hugging Face config the way transformers reads them: where the norms sit and whether they
 scale by (1 + w), q/k norms, the activation, multipliers, soft-caps, which layers attend
-through a sliding window and with which RoPE, which layers route through experts. `spec_of(cfg)` is the only place a model
+through a sliding window and with which RoPE, which layers route through experts, attention
+sinks and an o_proj bias (gpt-oss). `spec_of(cfg)` is the only place a model
 type is named; the decoder asks the spec, never the model type.
 """
 
@@ -25,6 +26,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -46,6 +48,8 @@ class DecoderSpec:
     windows: list[int] = field(default_factory=list)  # per layer: 0 (global) or its sliding window
     rope_keys: list[str] = field(default_factory=list)  # per layer: which RoPE table (see decoder.rope_tables)
     moe_layers: list[bool] = field(default_factory=list)  # per layer: a sparse mixture-of-experts block for its MLP
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax's denominator
+    o_bias: bool = False  # gpt-oss: o_proj has a bias
 
     @property
     def plain(self) -> bool:
@@ -54,7 +58,7 @@ class DecoderSpec:
                 and not self.fused_checkpoint and self.embed_scale == 1.0 and self.residual_scale == 1.0
                 and self.attn_scale is None and not self.attn_softcap and not self.logit_softcap
                 and self.logit_scale == 1.0 and not any(self.windows) and len(set(self.rope_keys)) <= 1
-                and not any(self.moe_layers))
+                and not any(self.moe_layers) and not self.attn_sinks and not self.o_bias)
 
 
 def model_type_of(raw: dict) -> str | None:
@@ -108,6 +112,8 @@ def spec_of(cfg) -> DecoderSpec:
         spec.logit_scale = 1.0 / cfg.logits_scaling
     elif t == "olmo2":
         spec.norms, spec.qk_norm = "post", "all"
+    elif t == "gpt_oss":
+        spec.attn_sinks, spec.o_bias = True, bool(cfg.attention_bias)
     activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
     expected = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation]
     if activation != expected and not (spec.activation == "gelu_tanh" and activation == "gelu_tanh"):
@@ -119,7 +125,7 @@ def _moe_layers(cfg) -> list[bool]:
     """Which layers hold a mixture-of-experts block, as transformers builds them: every one in
     Mixtral; in Qwen2/3-MoE those past `mlp_only_layers` on every `decoder_sparse_step`-th."""
     n = cfg.num_hidden_layers
-    if cfg.model_type == "mixtral":
+    if cfg.model_type in ("mixtral", "gpt_oss"):
         return [True] * n
     if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         dense = set(cfg.mlp_only_layers or [])

@@ -18,8 +18,9 @@ def seq_kv(cache, block_table, length):
     return cache[block_table[t // bs], t % bs].double()  # token t lives in slot t % bs of block table[t // bs]
 
 
-def dense_attention(q, k, v, mask, scale, softcap=0.0):
-    """q [M, h, d], k/v [L, kvh, d], mask [M, L] (True = may attend) -> [M, h, d], float64."""
+def dense_attention(q, k, v, mask, scale, softcap=0.0, sinks=None):
+    """q [M, h, d], k/v [L, kvh, d], mask [M, L] (True = may attend) -> [M, h, d], float64.
+    sinks [h]: each head's logit added to the softmax's denominator, exp(sink) / sum."""
     M, h, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
@@ -30,12 +31,17 @@ def dense_attention(q, k, v, mask, scale, softcap=0.0):
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~mask, -math.inf)
-        p = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            p = torch.softmax(scores, dim=-1)
+        else:  # exp(s_i) / (sum_j exp(s_j) + exp(sink)), written out
+            top = torch.maximum(scores.max(-1, keepdim=True).values, torch.tensor(float(sinks[head])))
+            e = torch.exp(scores - top)
+            p = e / (e.sum(-1, keepdim=True) + math.exp(float(sinks[head])) * torch.exp(-top))
         out[:, head] = p @ v[:, kv]
     return out
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0):
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, softcap=0.0, sinks=None):
     out = []
     for b in range(q.shape[0]):
         L = int(context_lens[b])
@@ -44,11 +50,11 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=0, sof
         mask = torch.ones(1, L, dtype=torch.bool)
         if window:  # the query sits at L - 1 and sees the last `window` positions
             mask[0, : max(0, L - window)] = False
-        out.append(dense_attention(q[b : b + 1], k, v, mask, scale, softcap)[0])
+        out.append(dense_attention(q[b : b + 1], k, v, mask, scale, softcap, sinks)[0])
     return torch.stack(out)
 
 
-def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0):
+def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0, sinks=None):
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(len(context_lens)):
         s, e = int(query_start_loc[b]), int(query_start_loc[b + 1])
@@ -61,7 +67,7 @@ def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sc
         for i in range(n):  # new token i sits at position L - n + i and sees positions 0..L - n + i
             p = L - n + i
             mask[i, (max(0, p - window + 1) if window else 0) : p + 1] = True
-        out[s:e] = dense_attention(q[s:e], k, v, mask, scale, softcap)
+        out[s:e] = dense_attention(q[s:e], k, v, mask, scale, softcap, sinks)
     return out
 
 
@@ -157,8 +163,15 @@ TOL = {torch.float32: dict(atol=3e-5, rtol=1e-4), torch.float16: dict(atol=3e-3,
        torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids):
-    """Token by token, expert by expert, in float64: sum_j weight_j * down(silu(gate) * up)."""
+def swiglu_oai_and_mul(x, alpha=1.702, limit=7.0):
+    x = x.double()
+    n = x.shape[-1] // 2
+    gate, up = x[..., :n].clamp(max=limit), x[..., n:].clamp(-limit, limit)
+    return (up + 1) * gate / (1 + torch.exp(-alpha * gate))
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation="silu", alpha=1.702, limit=7.0):
+    """Token by token, expert by expert, in float64: sum_j weight_j * (down(act(gate_up(x) + b13)) + b2)."""
     T, k = topk_ids.shape
     I = w2.shape[2]
     out = torch.zeros(T, x.shape[1], dtype=torch.float64)
@@ -168,6 +181,12 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids):
             if not 0 <= e < w13.shape[0]:  # another rank's expert
                 continue
             gate_up = w13[e].double() @ x[t].double()
-            h = silu_and_mul(gate_up[None])[0] if I else gate_up[:0]
-            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ h)
+            if w13_bias is not None:
+                gate_up = gate_up + w13_bias[e].double()
+            act = silu_and_mul if activation == "silu" else lambda v: swiglu_oai_and_mul(v, alpha, limit)
+            h = act(gate_up[None])[0] if I else gate_up[:0]
+            y = w2[e].double() @ h
+            if w2_bias is not None:
+                y = y + w2_bias[e].double()
+            out[t] += float(topk_weights[t, j]) * y
     return out

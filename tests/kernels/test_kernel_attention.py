@@ -150,3 +150,58 @@ def test_prefill_window_and_softcap(d, bs, h, kvh, dtype, seqs, block_m, block_n
     want_ref = ref.paged_attention_prefill(q.float(), finite(k_cache).float(), finite(v_cache).float(), bt, qsl, ctx,
                                            scale, window, softcap)
     _check(out, want_ref, naive.prefill(q, k_cache, v_cache, bt, qsl, ctx, scale, window, softcap), dtype)
+
+
+# Attention sinks (gpt-oss): a per-head logit in each softmax's denominator, alone and with a
+# window, across split-K (the sink joins once, in the reduce pass) and prefill tiles; both
+# backends against the float64 naive attention. Sinks of both signs and large enough to matter.
+# d, block_size, h, kvh, dtype, context lengths, split_size, block_n, window
+DECODE_SINKS = [
+    (64, 16, 4, 2, torch.float32, [1, 16, 33], None, 64, 0),  # one split (direct)
+    (64, 16, 4, 2, torch.float32, [1, 16, 33, 130], 64, 32, 20),  # split-K, window inside a later split
+    (80, 16, 6, 2, torch.float32, [100, 7], 32, 32, 64),  # splits wholly before the window
+    (64, 16, 8, 1, torch.float16, [45, 64], 32, 16, 0),  # fp16, GQA 8, split-K
+]
+
+
+def _sinks(h):
+    return torch.randn(h) * 3
+
+
+@pytest.mark.parametrize("d,bs,h,kvh,dtype,lens,split,block_n,window", DECODE_SINKS)
+def test_decode_sinks(d, bs, h, kvh, dtype, lens, split, block_n, window):
+    k_cache, v_cache, bt, ctx = paged_kv(lens, bs, kvh, d, dtype)
+    q = torch.randn(len(lens), h, d).to(dtype) * 2
+    sinks, scale = _sinks(h), d**-0.5
+    out = pa.decode(q, k_cache, v_cache, bt, ctx, scale, window, sinks=sinks, split_size=split, block_n=block_n)
+    want_ref = ref.paged_attention_decode(q.float(), finite(k_cache).float(), finite(v_cache).float(), bt, ctx, scale,
+                                          window, sinks=sinks)
+    want = naive.decode(q, k_cache, v_cache, bt, ctx, scale, window, sinks=sinks)
+    _check(out, want_ref, want, dtype)
+    torch.testing.assert_close(want_ref.double(), want, **TOL[torch.float32])
+    plain = naive.decode(q, k_cache, v_cache, bt, ctx, scale, window)
+    assert not torch.allclose(want, plain, atol=1e-3), "the sinks changed nothing: the test cannot tell"
+
+
+# d, block_size, h, kvh, dtype, [(cached prefix, new tokens)], block_m, block_n, window
+PREFILL_SINKS = [
+    (64, 16, 4, 2, torch.float32, [(0, 40), (16, 16), (0, 1)], 16, 16, 0),  # no window
+    (64, 16, 2, 2, torch.float32, [(0, 40), (16, 16), (0, 1)], 16, 16, 8),  # window < a tile
+    (80, 32, 6, 2, torch.float32, [(50, 9), (0, 70)], 16, 32, 33),  # a prefix partly outside
+    (64, 16, 4, 1, torch.float16, [(20, 25), (0, 3)], 32, 32, 12),  # fp16
+]
+
+
+@pytest.mark.parametrize("d,bs,h,kvh,dtype,seqs,block_m,block_n,window", PREFILL_SINKS)
+def test_prefill_sinks(d, bs, h, kvh, dtype, seqs, block_m, block_n, window):
+    lens = [p + n for p, n in seqs]
+    k_cache, v_cache, bt, ctx = paged_kv(lens, bs, kvh, d, dtype)
+    qsl = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+    q = torch.randn(int(qsl[-1]), h, d).to(dtype) * 2
+    sinks, scale = _sinks(h), d**-0.5
+    out = pa.prefill(q, k_cache, v_cache, bt, qsl, ctx, scale, window, sinks=sinks, block_m=block_m, block_n=block_n)
+    want_ref = ref.paged_attention_prefill(q.float(), finite(k_cache).float(), finite(v_cache).float(), bt, qsl, ctx,
+                                           scale, window, sinks=sinks)
+    want = naive.prefill(q, k_cache, v_cache, bt, qsl, ctx, scale, window, sinks=sinks)
+    _check(out, want_ref, want, dtype)
+    torch.testing.assert_close(want_ref.double(), want, **TOL[torch.float32])

@@ -65,3 +65,20 @@ def test_moe_model_greedy_triton_equals_torch(tmp_path, builtin_dir):
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
     assert all(len(t) == 6 for t in tokens["torch"])
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_gpt_oss_on_triton_equals_transformers(tmp_path, builtin_dir):
+    """gpt-oss through the Triton kernels: sinks in the decode and prefill attention (windowed
+    and full layers), fused_moe with expert biases and the clamped SwiGLU."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from family_models import hf_reference, make_gpt_oss_model, mixed_prompts
+
+    from shoal import LLM, SamplingParams
+
+    path, model = make_gpt_oss_model(tmp_path, builtin_dir)
+    prompts = mixed_prompts(4, seed=5)  # 1 to 17 tokens: past the window of 8
+    want, _ = hf_reference(model, prompts, 4)
+    llm = LLM(model=str(path), attention_backend="triton", kv_cache_memory=2**22, max_num_batched_tokens=16, block_size=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outs] == want

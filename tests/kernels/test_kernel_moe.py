@@ -161,3 +161,51 @@ def test_triton_prefill_sized_routing_takes_tall_tiles(monkeypatch):
     small = _moe_inputs(3, 48, 24, 4, 2, torch.float32)
     _check(fused_moe.fused_moe(*small), *small)
     assert seen == [64, 16]
+
+
+# ---------------------------------------------------------------- gpt-oss experts: biases, clamped SwiGLU
+
+
+def _oai_inputs(T, H, I, E, k, dtype):
+    """gpt-oss's experts: biased projections, activations past the clamp (|x| > 7) on purpose."""
+    x, w13, w2, weights, ids = _moe_inputs(T, H, I, E, k, dtype)
+    w13 = (w13.float() * 6).to(dtype)  # gate/up values of several units: the clamp at 7 bites
+    b13, b2 = torch.randn(E, 2 * I).to(dtype), torch.randn(E, H).to(dtype)
+    return (x, w13, w2, weights, ids), dict(w13_bias=b13, w2_bias=b2, activation="swiglu_oai", alpha=1.702, limit=7.0)
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "padded_bmm"])
+@pytest.mark.parametrize("shape,dtype", [((7, 64, 48, 8, 2), torch.float32), ((33, 48, 20, 6, 3), torch.float32),
+                                         ((5, 40, 24, 16, 4), torch.bfloat16)], ids=str)
+def test_reference_biased_clamped_swiglu(shape, dtype, grouped_mm, monkeypatch):
+    if not grouped_mm:
+        monkeypatch.setattr(ref, "_grouped_mm_fits", lambda rows, w: False)
+    inputs, extra = _oai_inputs(*shape, dtype)
+    gate_up = inputs[1].double()[0] @ inputs[0].double().T
+    assert (gate_up.abs() > 7).any(), "no activation past the clamp: the test cannot tell"
+    got = ref.fused_moe(*inputs, **extra)
+    torch.testing.assert_close(got.double(), naive.fused_moe(*inputs, **extra), **TOL[dtype])
+    assert not torch.allclose(got.double(), naive.fused_moe(*inputs), atol=1e-2)  # not plain SwiGLU
+
+
+def test_reference_biased_experts_of_other_ranks():
+    (x, w13, w2, weights, _), extra = _oai_inputs(17, 32, 16, 4, 3, torch.float32)
+    _, _, _, weights, ids = _split_routing(17, 32, 16, 4, 3, torch.float32)
+    got = ref.fused_moe(x, w13, w2, weights, ids, **extra)
+    torch.testing.assert_close(got.double(), naive.fused_moe(x, w13, w2, weights, ids, **extra), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("shape,dtype,blocks", [((7, 64, 48, 8, 2), torch.float32, (16, 32, 16)),
+                                                ((33, 48, 20, 6, 3), torch.float32, (16, 16, 32)),
+                                                ((5, 40, 24, 16, 4), torch.float16, (16, 32, 16))], ids=str)
+def test_triton_biased_clamped_swiglu(shape, dtype, blocks):
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs, extra = _oai_inputs(*shape, dtype)
+    bm, bn, bk = blocks
+    got = fused_moe.launch(*inputs, block_m=bm, block_n=bn, block_k=bk, **extra)
+    want = naive.fused_moe(*inputs, **extra)
+    tol = dict(TOL[dtype], atol=TOL[dtype]["atol"] * float(want.abs().max()))  # outputs of tens: half rounding scales
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(got.float(), ref.fused_moe(*inputs, **extra).float(), **tol)

@@ -161,3 +161,69 @@ def test_tensor_parallel_2_matches_transformers(model_type, expert_parallel):
     assert all(p.exitcode == 0 for p in procs)
     for rank in range(2):  # after the one all-reduce every rank holds the whole output
         torch.testing.assert_close(torch.from_numpy(got[rank]), want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- gpt-oss
+
+
+def _gpt_oss():
+    """transformers' GptOssMLP (biased router, top-k softmax, biased clamped-SwiGLU experts)
+    with every weight and bias random and gate/up values past the clamp."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = AutoConfig.for_model("gpt_oss", hidden_size=H, intermediate_size=16, num_local_experts=8, num_experts_per_tok=3,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               vocab_size=64)
+    block = GptOssMLP(cfg).eval()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.normal_(0, 2.0 if name == "experts.gate_up_proj" else 0.5)
+    return cfg, block
+
+
+def test_gpt_oss_block_matches_transformers():
+    torch.manual_seed(3)
+    cfg, hf = _gpt_oss()
+    ours = _ours(cfg, dict(hf.state_dict()))
+    x = torch.randn(2, 11, H)
+    with torch.no_grad():
+        want = hf(x)[0].reshape(-1, H)
+        got = ours(get_ops("torch", "cpu"), x.reshape(-1, H))
+        gate_up = x.reshape(-1, H) @ hf.experts.gate_up_proj[0]
+    assert (gate_up.abs() > cfg.swiglu_limit).any()  # the clamp bites
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, ids = ours.route(x.reshape(-1, H))
+    assert len(set(ids.flatten().tolist())) > cfg.num_experts_per_tok
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "expert_parallel"])
+def test_gpt_oss_rank_shards_sum_to_the_whole(expert_parallel):
+    """Biases across ranks: gate/up biases sliced with their rows, each down bias added once (rank
+    0's when every rank holds a slice of each expert; the owner's when experts are whole)."""
+    torch.manual_seed(4)
+    cfg, hf = _gpt_oss()
+    weights = dict(hf.state_dict())
+    whole = _ours(cfg, weights)
+    x = torch.randn(9, H)
+    ops = get_ops("torch", "cpu")
+    with torch.no_grad():
+        want = whole.experts(ops, x, *whole.route(x))
+        parts = [_ours(cfg, weights, ParallelState(tp_rank=r, tp_size=4), expert_parallel) for r in range(4)]
+        got = sum(p.experts(ops, x, *p.route(x)) for p in parts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_oss_bad_weights_are_refused():
+    cfg, hf = _gpt_oss()
+    block = SparseMoeBlock.from_config(cfg)
+    E, I = cfg.num_local_experts, cfg.intermediate_size
+    with pytest.raises(ValueError, match="shape"):
+        block.load("experts.gate_up_proj", torch.zeros(E, H, 2 * I + 2))
+    with pytest.raises(ValueError, match="unexpected"):
+        block.load("experts.0.gate_proj.weight", torch.zeros(I, H))
+    block.load("experts.down_proj_blocks", torch.zeros(E, H, I // 32, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="other half"):
+        block.experts.check_loaded()
+    with pytest.raises(ValueError, match="do not match"):
+        block.load("experts.down_proj_scales", torch.zeros(E, H, 2, dtype=torch.uint8))

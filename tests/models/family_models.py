@@ -41,6 +41,28 @@ FAMILIES = {
     "olmo2": dict(),
 }
 
+# gpt-oss (tests/models/test_moe_models.py): sliding and full layers alternating, YaRN past a
+# short original context, 6 experts of which each token takes 2
+GPT_OSS = dict(head_dim=16, num_local_experts=6, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+               num_hidden_layers=3, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                     "original_max_position_embeddings": 64})
+
+
+@torch.no_grad()
+def make_gpt_oss_model(path, builtin_dir, **overrides):
+    """A random gpt-oss whose sinks, router and expert biases are far from their zero init and
+    whose expert activations pass the SwiGLU clamp (|x| > 7), so that each of them shows."""
+    path, model = make_family_model(path, builtin_dir, "gpt_oss", **{**GPT_OSS, **overrides})
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if name.endswith(("sinks", "_bias", "router.bias", "o_proj.bias")):
+            p.copy_(torch.randn_like(p))
+        elif name.endswith("experts.gate_up_proj"):
+            p.mul_(4)
+    model.save_pretrained(path)
+    return path, model
+
 
 def make_family_model(path, builtin_dir, model_type: str, shard: bool = False, **overrides):
     """A random model of `model_type` saved as an HF directory with the built-in tokenizer."""

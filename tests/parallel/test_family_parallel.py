@@ -2,7 +2,9 @@
 transformers' greedy tokens across ranks: Gemma 3's per-layer windows and RoPE tables split
 over pipeline stages, Gemma 2's soft-caps and sandwich norms over tensor ranks, OLMo 2's q/k
 norm over all heads (a mean square summed across ranks, one KV head replicated on both), and
-Qwen3's per-head norms over both at once. A KV cache small enough to preempt, prefix caching on."""
+Qwen3's per-head norms over both at once, gpt-oss's sinks (each rank its heads'), o_proj bias
+(added once, after the all-reduce) and biased experts (the down bias on one rank) at TP 2 and over
+pipeline stages. A KV cache small enough to preempt, prefix caching on."""
 
 from __future__ import annotations
 
@@ -28,4 +30,16 @@ def test_family_in_parallel_matches_transformers(tmp_path, builtin_dir, model_ty
     prompts = mixed_prompts()
     want, _ = hf_reference(model, prompts, MAX_NEW)
     tokens, _ = generate(path, tp, pp, prompts)
+    assert tokens == want
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_gpt_oss_in_parallel_matches_transformers(tmp_path, builtin_dir, tp, pp):
+    from family_models import make_gpt_oss_model
+
+    path, model = make_gpt_oss_model(tmp_path, builtin_dir, num_hidden_layers=4)
+    prompts = mixed_prompts()
+    want, _ = hf_reference(model, prompts, MAX_NEW)
+    tokens, stats = generate(path, tp, pp, prompts)
+    assert stats.num_preemptions > 0
     assert tokens == want

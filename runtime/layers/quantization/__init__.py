@@ -1,7 +1,8 @@
 """Quantized checkpoints: which LinearMethod each linear layer gets, from config.json's
 quantization_config (or --quantization). One file per format: fp8.py (W8A8 and fp8 at
 load), awq.py, gptq.py, compressed_tensors.py (its fp8 and W4A16 schemes), int4.py (the one
-int4 layout the three int4 formats repack into)."""
+int4 layout the three int4 formats repack into). gpt-oss's MXFP4 checkpoints quantize only
+their experts, which layers/moe.py dequantizes at load: every linear layer stays plain."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def methods_for(hf_config, forced: str | None = None) -> Callable[[str], LinearM
         return lambda name: GptqLinear(qc.get("group_size", 128), bool(qc.get("desc_act")), minus_one)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
-    raise ValueError(f"quantization {method!r} is not supported (fp8, awq, gptq, compressed-tensors)")
+    if method == "mxfp4" and not forced:  # gpt-oss: only its experts are MXFP4, dequantized as the MoE block loads them
+        return lambda name: PLAIN
+    raise ValueError(f"quantization {method!r} is not supported (fp8, awq, gptq, compressed-tensors; mxfp4 experts)")
 
 
 def _int4_only(qc: dict, name: str) -> None:
