@@ -30,6 +30,11 @@ ARCHITECTURES = {
 }
 
 
+# families whose o_proj takes a bias with attention_bias, as transformers builds them (Qwen2,
+# Qwen2-MoE, Mistral, Mixtral and Phi-3 never give it one)
+O_BIAS = {"llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "granite", "olmo2", "gpt_oss"}
+
+
 @dataclass
 class DecoderSpec:
     norms: str = "pre"  # "pre": before attention and MLP (Llama); "sandwich": before and after (Gemma); "post": after only (OLMo 2)
@@ -49,7 +54,7 @@ class DecoderSpec:
     rope_keys: list[str] = field(default_factory=list)  # per layer: which RoPE table (see decoder.rope_tables)
     moe_layers: list[bool] = field(default_factory=list)  # per layer: a sparse mixture-of-experts block for its MLP
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax's denominator
-    o_bias: bool = False  # gpt-oss: o_proj has a bias
+    o_bias: bool = False  # o_proj has a bias (attention_bias in the families of O_BIAS)
 
     @property
     def plain(self) -> bool:
@@ -88,6 +93,7 @@ def spec_of(cfg) -> DecoderSpec:
         window = 0  # Qwen2 configs carry a sliding_window that only use_sliding_window turns on
     spec = DecoderSpec(
         qkv_bias=bool(getattr(cfg, "attention_bias", getattr(cfg, "qkv_bias", t == "qwen2"))),  # Qwen2-MoE: qkv_bias
+        o_bias=bool(getattr(cfg, "attention_bias", False)) and t in O_BIAS,
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
         windows=[window if lt == "sliding_attention" else 0 for lt in layer_types],
         rope_keys=[lt if lt in _per_type_rope(cfg) else "" for lt in layer_types],
@@ -113,7 +119,7 @@ def spec_of(cfg) -> DecoderSpec:
     elif t == "olmo2":
         spec.norms, spec.qk_norm = "post", "all"
     elif t == "gpt_oss":
-        spec.attn_sinks, spec.o_bias = True, bool(cfg.attention_bias)
+        spec.attn_sinks = True
     activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
     expected = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation]
     if activation != expected and not (spec.activation == "gelu_tanh" and activation == "gelu_tanh"):

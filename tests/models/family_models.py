@@ -37,7 +37,8 @@ FAMILIES = {
                                   "original_max_position_embeddings": 80,
                                   "short_factor": [1.0 + 0.1 * i for i in range(6)],
                                   "long_factor": [1.5 + 0.5 * i for i in range(6)]}),
-    "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0),
+    "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.2, logits_scaling=4.0,
+                    attention_bias=True),  # q/k/v and o_proj biased, as Llama-shaped families do with it
     "olmo2": dict(),
 }
 
@@ -74,7 +75,7 @@ def make_family_model(path, builtin_dir, model_type: str, shard: bool = False, *
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # ones (or zeros, for Gemma's 1 + w) would hide a norm applied wrongly
+            if "norm" in name or name.endswith("bias"):  # ones (or zeros: Gemma's 1 + w, biases) would hide one applied wrongly
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path, **({"max_shard_size": "2MB"} if shard else {}))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
