@@ -3,7 +3,8 @@
 A family is a handful of switches on the Llama-shaped decoder in decoder.py, read from its
 Hugging Face config the way transformers reads them: where the norms sit and whether they
 scale by (1 + w), q/k norms, the activation, multipliers, soft-caps, which layers attend
-through a sliding window and with which RoPE, which layers route through experts. `spec_of(cfg)` is the only place a model
+through a sliding window and with which RoPE, which layers route through experts, whether
+attention is DeepSeek's latent one. `spec_of(cfg)` is the only place a model
 type is named; the decoder asks the spec, never the model type.
 """
 
@@ -25,6 +26,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -46,6 +49,7 @@ class DecoderSpec:
     windows: list[int] = field(default_factory=list)  # per layer: 0 (global) or its sliding window
     rope_keys: list[str] = field(default_factory=list)  # per layer: which RoPE table (see decoder.rope_tables)
     moe_layers: list[bool] = field(default_factory=list)  # per layer: a sparse mixture-of-experts block for its MLP
+    mla: bool = False  # DeepSeek's multi-head latent attention (models/deepseek.py), a latent KV cache
 
     @property
     def plain(self) -> bool:
@@ -54,7 +58,7 @@ class DecoderSpec:
                 and not self.fused_checkpoint and self.embed_scale == 1.0 and self.residual_scale == 1.0
                 and self.attn_scale is None and not self.attn_softcap and not self.logit_softcap
                 and self.logit_scale == 1.0 and not any(self.windows) and len(set(self.rope_keys)) <= 1
-                and not any(self.moe_layers))
+                and not any(self.moe_layers) and not self.mla)
 
 
 def model_type_of(raw: dict) -> str | None:
@@ -108,6 +112,8 @@ def spec_of(cfg) -> DecoderSpec:
         spec.logit_scale = 1.0 / cfg.logits_scaling
     elif t == "olmo2":
         spec.norms, spec.qk_norm = "post", "all"
+    elif t in ("deepseek_v2", "deepseek_v3"):
+        spec.mla, spec.qkv_bias = True, False  # attention_bias is MLA's own (kv_a_proj, q_a_proj)
     activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
     expected = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation]
     if activation != expected and not (spec.activation == "gelu_tanh" and activation == "gelu_tanh"):
@@ -124,6 +130,8 @@ def _moe_layers(cfg) -> list[bool]:
     if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         dense = set(cfg.mlp_only_layers or [])
         return [i not in dense and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0 for i in range(n)]
+    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):  # dense before first_k_dense_replace, then sparse
+        return [i >= (cfg.first_k_dense_replace or 0) and cfg.n_routed_experts > 0 for i in range(n)]
     return [False] * n
 
 
