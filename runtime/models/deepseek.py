@@ -88,6 +88,8 @@ class MlaAttention(nn.Module):
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """`name` relative to self_attn, e.g. "kv_b_proj.weight" (the transformers names)."""
         module, kind = name.rsplit(".", 1)
+        if kind not in ("weight", "bias"):  # e.g. V3's fp8 weight_scale_inv: its block scales are not read here
+            raise ValueError(f"attention weight self_attn.{name!r}: quantized DeepSeek checkpoints are not supported")
         if module == "kv_b_proj":
             heads = self.w_uk.shape[0]
             first = self.state.tp_rank * heads
