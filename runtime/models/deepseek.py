@@ -64,6 +64,7 @@ class MlaAttention(nn.Module):
         self.w_uk = _param(self.heads, self.nope, self.rank)
         self.w_uv = _param(self.heads, self.v_dim, self.rank)
         self.o_proj = RowLinear(heads * self.v_dim, cfg.hidden_size, state)
+        self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size), requires_grad=False) if bias else None  # after the reduce
         self.scale = yarn_apply_mscale(cfg.rope_parameters or {}, qk**-0.5)
         self.interleaved = rope_interleaved(cfg)
         self.state = state
@@ -83,7 +84,8 @@ class MlaAttention(nn.Module):
         out = attend_latent(ops, torch.cat((q_latent, q_pe), -1), torch.cat((c[:, None], k_pe), -1), kv_cache, meta,
                             self.scale, self.rank)  # [T, h, rank]
         out = torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, h, v]
-        return self.o_proj(out.reshape(T, h * self.v_dim))
+        out = self.o_proj(out.reshape(T, h * self.v_dim))
+        return out if self.o_bias is None else out + self.o_bias
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """`name` relative to self_attn, e.g. "kv_b_proj.weight" (the transformers names)."""
@@ -96,6 +98,8 @@ class MlaAttention(nn.Module):
             per_head = tensor.view(-1, self.nope + self.v_dim, self.rank)[first : first + heads]
             self.w_uk.data.copy_(per_head[:, : self.nope])
             self.w_uv.data.copy_(per_head[:, self.nope :])
+        elif module == "o_proj" and kind == "bias" and self.o_bias is not None:
+            self.o_bias.data.copy_(tensor)
         elif module in ("q_a_layernorm", "kv_a_layernorm"):
             getattr(self, module).data.copy_(tensor)
         elif module in ("q_proj", "q_b_proj", "q_a_proj", "kv_a_proj_with_mqa", "o_proj") and hasattr(self, module):
