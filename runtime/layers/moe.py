@@ -190,7 +190,9 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(ops, x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(ops, x)
-            out = out + (shared if self.shared_expert_gate is None else torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + shared
         return tp_all_reduce(out, self.state)
 
     def load(self, name: str, tensor: torch.Tensor) -> None:

@@ -3,9 +3,9 @@ transformers' greedy tokens for a batch of prompts of mixed lengths and its firs
 log-probabilities within 1e-4 (float32, CPU, torch backend), with the paged KV cache holding only
 the compressed latent (kv_lora_rank + qk_rope_head_dim per token and layer, one plane).
 
-V2-shaped: no q_lora_rank (V2-Lite's plain q_proj), attention biases (kv_a_proj_with_mqa, o_proj), softmax routing limited to the best groups
-(group_limited_greedy), a routed scaling factor, complex (interleaved) RoPE, v_head_dim unlike the
-nope dim. V3-shaped: q_lora_rank, sigmoid routing with a random e_score_correction_bias, grouped
+V2-shaped: no q_lora_rank (V2-Lite's plain q_proj), attention biases (kv_a_proj_with_mqa,
+o_proj), softmax routing limited to the best groups (group_limited_greedy), a routed scaling
+factor, complex (interleaved) RoPE, v_head_dim unlike the nope dim. V3-shaped: q_lora_rank, sigmoid routing with a random e_score_correction_bias, grouped
 top-k over the sum of each group's best two, norm_topk_prob, rope_interleave, YaRN with both
 mscales (RoPE's attention factor and the softmax scale). Both: dense layers first
 (first_k_dense_replace), shared experts.
