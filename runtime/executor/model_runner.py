@@ -124,6 +124,8 @@ class ModelRunner(Executor):
         """A LoRA hook on every linear layer of this rank's decoder layers (layers/lora.py)."""
         from shoal.runtime.layers.lora import LoraLayer, LoraMapping
 
+        if self.model.spec.mla:
+            raise ValueError("LoRA adapters are not supported on DeepSeek's latent attention (MLA) models")
         self.lora_mapping = LoraMapping(max_loras)
         for index, layer in zip(self.model.layer_range, self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -149,7 +151,7 @@ class ModelRunner(Executor):
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        return 2 * len(m.layers) * self.config.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
+        return m.kv_planes * len(m.layers) * self.config.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def num_blocks_for(self, kv_cache_memory: float | None) -> int:
         if kv_cache_memory is None:
@@ -167,10 +169,11 @@ class ModelRunner(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         # Stored [2, kvh, blocks, block_size, d], seen as [2, blocks, block_size, kvh, d]
+        # (MLA: [1, 1, blocks, block_size, latent]: one plane, the latent serving as K and V)
         # (kernels/reference.py: a gather then yields each head's keys contiguous).
         # Zeroed, so that slots never written are never NaN (masked attention multiplies by 0).
         # On CPU one pool in huge pages: a decode step reads blocks scattered all over it.
-        shape = (2, m.num_kv_heads, num_blocks, self.config.block_size, m.head_dim)
+        shape = (m.kv_planes, m.num_kv_heads, num_blocks, self.config.block_size, m.head_dim)
         if self.device.type == "cpu":
             pool = huge_page_zeros(len(m.layers) * math.prod(shape), self.kv_dtype).view(len(m.layers), *shape)
             caches = list(pool.unbind(0))
@@ -207,7 +210,8 @@ class ModelRunner(Executor):
         step would find every row it advanced stale (a reload costs what a gather does). None
         on a GPU, where the kernels read the paged cache in place."""
         if (self.ops.backend != "torch" or self.cpu_decoder is not None or self.device.type != "cpu" or self.model.windowed
-                or self.kv_dtype != self.dtype):  # the workspace mirrors a cache in the model's dtype
+                or self.kv_dtype != self.dtype  # the workspace mirrors a cache in the model's dtype
+                or self.model.spec.mla):  # ... and of K and V planes
             return None
         m = self.model
         per_token = 2 * len(m.layers) * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize

@@ -62,3 +62,25 @@ def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float, win
     if nd == 0:
         return prefill
     return torch.cat((decode(), prefill))
+
+
+def attend_latent(ops, q, latent, layer_cache, meta: AttentionMetadata, scale: float, value_width: int) -> torch.Tensor:
+    """Multi-query attention over a latent cache (DeepSeek's MLA, models/deepseek.py): q [T, h, w]
+    and the new tokens' latents [T, 1, w] -> [T, h, value_width]. layer_cache's kv is ONE plane
+    [1, num_blocks, block_size, 1, w]: the keys, whose first value_width features are also the
+    values. The kernels read the plane as both K and V and the output's last features are dropped."""
+    kv, _ = layer_cache
+    cache = kv[0]
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    extra = (0, 0.0) if fp8 else ()  # a float8 cache: scales of 1 (no checkpoint scales for a latent)
+    ops.write_kv_cache(latent, latent, cache, cache, meta.slot_mapping)  # the same plane twice: no separate V
+    nd = meta.num_decode_tokens
+    outs = []
+    if nd:
+        outs.append(ops.paged_attention_decode(q[:nd], cache, cache, meta.decode_block_tables, meta.decode_context_lens,
+                                               scale, *extra))
+    if nd < q.shape[0]:
+        outs.append(ops.paged_attention_prefill(q[nd:], cache, cache, meta.prefill_block_tables,
+                                                meta.prefill_query_start_loc, meta.prefill_context_lens, scale, *extra))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[..., :value_width]

@@ -1,7 +1,7 @@
-"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) over ops.fused_moe.
+"""Sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V2/V3) over ops.fused_moe.
 
 A router (softmax over the experts, top-k, optionally renormalised; gpt-oss: a biased router,
-top-k of the logits, softmax over those k) picks each token's experts;
+top-k of the logits, softmax over those k; DeepSeek's grouped top-k: grouped_topk) picks each token's experts;
 the experts run as one fused grouped GEMM per projection (kernels/: reference.fused_moe and
 the Triton fused_moe), never a loop over experts. Tensor parallel: every rank holds each
 expert's slice of the intermediate dimension (as MergedColumnLinear/RowLinear split a dense
@@ -19,16 +19,19 @@ Checkpoint names, relative to the block (`block_sparse_moe.` in Mixtral, `mlp.` 
       interleaved along 2I (gate at even columns), transposed to (in, out)
   experts.down_proj [E, I, H], experts.down_proj_bias [E, H]           gpt-oss
   experts.{gate_up,down}_proj_{blocks,scales}   gpt-oss's MXFP4 form of the two (dequantized at load)
+  shared_experts.{gate,up,down}_proj.weight, gate.e_score_correction_bias   DeepSeek (no shared gate; V3's bias)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shoal.runtime.distributed import SINGLE, ParallelState, shard_range, tp_all_reduce
-from shoal.runtime.layers.linear import MergedColumnLinear, RowLinear
+from shoal.runtime.layers.linear import MergedColumnLinear, RowLinear, kept
 
 _GATE, _UP, _DOWN = 0, 1, 2
 _EXPERT_LEAVES = {"w1": _GATE, "w3": _UP, "w2": _DOWN, "gate_proj": _GATE, "up_proj": _UP, "down_proj": _DOWN}
@@ -36,6 +39,42 @@ _EXPERT_LEAVES = {"w1": _GATE, "w3": _UP, "w2": _DOWN, "gate_proj": _GATE, "up_p
 
 def _param(*shape) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+@dataclass
+class GroupedRouting:
+    """DeepSeek's router, as transformers computes it (in float32): scores over every expert
+    (V2 softmax, V3 sigmoid), the experts split into n_group groups of which only the
+    topk_group best are eligible (a group's score: V2 its best expert, V3 the sum of its best
+    two after adding e_score_correction_bias), top-k among the eligible, the weights taken from
+    the uncorrected scores, optionally renormalised, times routed_scaling_factor."""
+
+    scoring: str = "softmax"  # "softmax" (V2) or "sigmoid" (V3)
+    n_group: int = 1  # 1: plain top-k over every expert (V2's "greedy")
+    topk_group: int = 1
+    correction_bias: bool = False  # V3: e_score_correction_bias steers the choice, not the weights
+    renormalize: bool = False
+    scale: float = 1.0  # routed_scaling_factor
+
+
+def grouped_topk(logits, top_k: int, routing: GroupedRouting, bias=None):
+    """logits [T, E] float32 -> (weights [T, k] float32, ids [T, k])."""
+    T, E = logits.shape
+    scores = logits.sigmoid() if routing.scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores + bias if bias is not None else scores
+    if routing.n_group > 1:
+        grouped = choice.view(T, routing.n_group, E // routing.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if routing.correction_bias else grouped.amax(-1)
+        best = group_scores.topk(routing.topk_group, dim=-1, sorted=False)[1]
+        eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        eligible = eligible[:, :, None].expand(-1, -1, E // routing.n_group).reshape(T, E)
+        # V3 masks with -inf; V2 with 0 (its scores are positive, so the same experts win)
+        choice = choice.masked_fill(~eligible, float("-inf") if routing.correction_bias else 0.0)
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.scale, ids
 
 
 class FusedMoE(nn.Module):
@@ -172,7 +211,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
                  renormalize: bool = True, shared_intermediate: int = 0, expert_parallel: bool = False,
-                 oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0)):
+                 oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0), grouped: GroupedRouting | None = None):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"cannot route each token to {top_k} of {num_experts} experts")
@@ -183,9 +222,18 @@ class SparseMoeBlock(nn.Module):
         self.gate_bias = _param(num_experts) if oai else None
         self.experts = FusedMoE(num_experts, hidden, intermediate, state, expert_parallel, oai=oai, swiglu=swiglu)
         self.shared_expert = self.shared_expert_gate = None
+        self.grouped, self.correction_bias = grouped, None
+        if grouped is not None:  # DeepSeek routes in float32 (transformers keeps the gate so)
+            if num_experts % grouped.n_group or grouped.topk_group > grouped.n_group:
+                raise ValueError(f"cannot route {num_experts} experts in {grouped.n_group} groups, {grouped.topk_group} of them")
+            self.gate = kept(self.gate)
+            if grouped.correction_bias:
+                self.correction_bias = kept(_param(num_experts))
+                self.correction_bias.data.zero_()
         if shared_intermediate:
             self.shared_expert = SharedExpert(hidden, shared_intermediate, state)
-            self.shared_expert_gate = _param(1, hidden)
+            if grouped is None:  # Qwen2-MoE gates its shared expert; DeepSeek's shared experts just add
+                self.shared_expert_gate = _param(1, hidden)
 
     @classmethod
     def from_config(cls, cfg, state: ParallelState = SINGLE, expert_parallel: bool = False) -> "SparseMoeBlock":
@@ -202,14 +250,20 @@ class SparseMoeBlock(nn.Module):
             return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, state,
                        renormalize=False, expert_parallel=expert_parallel, oai=True,
                        swiglu=(float(cfg.swiglu_alpha), float(cfg.swiglu_limit)))
+        if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
+            return cls(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, state,
+                       shared_intermediate=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
+                       expert_parallel=expert_parallel, grouped=deepseek_routing(cfg))
         raise ValueError(f"no mixture-of-experts block for model type {cfg.model_type!r}")
 
     def route(self, x):
         """(topk_weights [T, k] float32, topk_ids [T, k]): softmax over every expert, then top-k
-        (gpt-oss: top-k of the biased logits, then softmax over those k)."""
+        (gpt-oss: top-k of the biased logits, then softmax over those k; DeepSeek: grouped_topk)."""
         if self.topk_softmax:
             logits, ids = F.linear(x, self.gate, self.gate_bias).topk(self.top_k, dim=-1)
             return logits.float().softmax(dim=-1), ids
+        if self.grouped is not None:
+            return grouped_topk(F.linear(x.float(), self.gate.float()), self.top_k, self.grouped, self.correction_bias)
         probs = F.linear(x, self.gate).float().softmax(dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
@@ -220,7 +274,10 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         out = self.experts(ops, x, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(ops, x)
+            shared = self.shared_expert(ops, x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + shared
         return tp_all_reduce(out, self.state)
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
@@ -233,13 +290,32 @@ class SparseMoeBlock(nn.Module):
             self.gate_bias.data.copy_(tensor)
         elif name.startswith("experts."):
             self.experts.load(name[len("experts."):], tensor)
-        elif self.shared_expert is not None and name == "shared_expert_gate.weight":
+        elif self.correction_bias is not None and name == "gate.e_score_correction_bias":
+            _check_shape(name, tensor, self.correction_bias.shape)
+            self.correction_bias.data.copy_(tensor)
+        elif self.shared_expert is not None and self.shared_expert_gate is None and name.startswith("shared_experts."):
+            self.shared_expert.load(name[len("shared_experts."):], tensor)
+        elif self.shared_expert_gate is not None and name == "shared_expert_gate.weight":
             _check_shape(name, tensor, self.shared_expert_gate.shape)
             self.shared_expert_gate.data.copy_(tensor)
         elif self.shared_expert is not None and name.startswith("shared_expert."):
             self.shared_expert.load(name[len("shared_expert."):], tensor)
         else:
             raise ValueError(f"unexpected mixture-of-experts weight {name!r}")
+
+
+def deepseek_routing(cfg) -> GroupedRouting:
+    """V2: softmax, "greedy" (top-k of all) or "group_limited_greedy", never renormalised;
+    V3: sigmoid with the correction bias, always grouped, norm_topk_prob."""
+    if cfg.model_type == "deepseek_v3":
+        return GroupedRouting("sigmoid", cfg.n_group or 1, cfg.topk_group or 1, correction_bias=True,
+                              renormalize=bool(cfg.norm_topk_prob), scale=cfg.routed_scaling_factor)
+    method = cfg.topk_method
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    return GroupedRouting("softmax", cfg.n_group if grouped else 1, cfg.topk_group if grouped else 1,
+                          scale=cfg.routed_scaling_factor)
 
 
 class SharedExpert(nn.Module):

@@ -5,8 +5,9 @@ tied or untied embeddings), with what each family changes read from its DecoderS
 (families.py): Gemma's sandwich norms as (1 + w), GeGLU and soft-caps, q/k norms (Qwen3,
 Gemma 3, OLMo 2), OLMo 2's post-norms, Granite's multipliers, Phi-3's fused checkpoint
 and LongRoPE, sliding windows per layer with their own RoPE (Gemma 3), and mixture-of-experts
-blocks in place of the MLP (Mixtral, Qwen2/3-MoE, gpt-oss: layers/moe.py), gpt-oss's
-attention sinks and o_proj bias. Inputs are a flat
+blocks in place of the MLP (Mixtral, Qwen2/3-MoE, gpt-oss, DeepSeek: layers/moe.py), gpt-oss's
+attention sinks and o_proj bias, DeepSeek's latent attention over a one-plane latent cache
+(deepseek.py). Inputs are a flat
 batch of T tokens (no padding); a pipeline stage holds only its own layers and passes
 (hidden, residual) on.
 """
@@ -21,6 +22,7 @@ from shoal.runtime.distributed import SINGLE, ParallelState, tp_all_reduce
 from shoal.runtime.layers.attention import AttentionMetadata, attend
 from shoal.runtime.layers.linear import PLAIN, MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding
 from shoal.runtime.layers.moe import SparseMoeBlock
+from shoal.runtime.models.deepseek import MlaAttention, latent_cache_width
 from shoal.runtime.models.families import DecoderSpec, spec_of
 
 
@@ -169,7 +171,7 @@ class DecoderLayer(nn.Module):
         self.norms, self.residual_scale = spec.norms, spec.residual_scale
         if spec.norms != "post":
             self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Attention(cfg, spec, layer, state, method_for)
+        self.self_attn = MlaAttention(cfg, layer, state) if spec.mla else Attention(cfg, spec, layer, state, method_for)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         if spec.norms == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
@@ -259,14 +261,18 @@ class DecoderForCausalLM(nn.Module):
         positions = max_positions or cfg.max_position_embeddings
         self.rope = {key: rope_cache(cfg, positions, key).to(device) for key in sorted(set(spec.rope_keys))}
         self.cos_sin = self.rope[spec.rope_keys[0]]  # the one table of a plain model (the C decode step's)
-        self.num_kv_heads = self.layers[0].self_attn.qkv_proj.local_kv_heads
-        self.head_dim = head_dim_of(cfg)
+        # the KV cache per layer: kv_planes (K and V, or MLA's one latent plane) x num_kv_heads x head_dim
+        if spec.mla:
+            self.kv_planes, self.num_kv_heads, self.head_dim = 1, 1, latent_cache_width(cfg)
+        else:
+            self.kv_planes, self.num_kv_heads = 2, self.layers[0].self_attn.qkv_proj.local_kv_heads
+            self.head_dim = head_dim_of(cfg)
 
     @property
     def windowed(self) -> bool:
         """Whether any layer attends through a sliding window, soft-caps its scores or has sinks."""
-        return any(layer.self_attn.window or layer.self_attn.softcap or layer.self_attn.sinks is not None
-                   for layer in self.layers)
+        return any(getattr(layer.self_attn, "window", 0) or getattr(layer.self_attn, "softcap", 0)
+                   or getattr(layer.self_attn, "sinks", None) is not None for layer in self.layers)
 
     def forward(self, ops, input_ids, positions, kv_caches, meta, hidden=None, residual=None):
         """First stage: from token ids; later stages: from the previous stage's (hidden, residual).
@@ -329,6 +335,9 @@ class DecoderForCausalLM(nn.Module):
                 layer.mlp.experts.check_loaded()
 
     def _load_layer(self, layer, rest: str, tensor, fused: dict, offset: float) -> None:
+        if isinstance(layer.self_attn, MlaAttention) and rest.startswith("self_attn."):
+            layer.self_attn.load(rest[len("self_attn."):], tensor)
+            return
         if isinstance(layer.mlp, SparseMoeBlock) and rest.startswith(("mlp.", "block_sparse_moe.")):
             layer.mlp.load(rest.split(".", 1)[1], tensor)  # router, experts, shared expert (Mixtral: block_sparse_moe)
             return

@@ -4,7 +4,8 @@ A family is a handful of switches on the Llama-shaped decoder in decoder.py, rea
 Hugging Face config the way transformers reads them: where the norms sit and whether they
 scale by (1 + w), q/k norms, the activation, multipliers, soft-caps, which layers attend
 through a sliding window and with which RoPE, which layers route through experts, attention
-sinks and an o_proj bias (gpt-oss). `spec_of(cfg)` is the only place a model
+sinks and an o_proj bias (gpt-oss), whether attention is DeepSeek's latent one. `spec_of(cfg)`
+is the only place a model
 type is named; the decoder asks the spec, never the model type.
 """
 
@@ -27,6 +28,8 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -55,6 +58,7 @@ class DecoderSpec:
     moe_layers: list[bool] = field(default_factory=list)  # per layer: a sparse mixture-of-experts block for its MLP
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax's denominator
     o_bias: bool = False  # o_proj has a bias (attention_bias in the families of O_BIAS)
+    mla: bool = False  # DeepSeek's multi-head latent attention (models/deepseek.py), a latent KV cache
 
     @property
     def plain(self) -> bool:
@@ -63,7 +67,7 @@ class DecoderSpec:
                 and not self.fused_checkpoint and self.embed_scale == 1.0 and self.residual_scale == 1.0
                 and self.attn_scale is None and not self.attn_softcap and not self.logit_softcap
                 and self.logit_scale == 1.0 and not any(self.windows) and len(set(self.rope_keys)) <= 1
-                and not any(self.moe_layers) and not self.attn_sinks and not self.o_bias)
+                and not any(self.moe_layers) and not self.attn_sinks and not self.o_bias and not self.mla)
 
 
 def model_type_of(raw: dict) -> str | None:
@@ -120,6 +124,8 @@ def spec_of(cfg) -> DecoderSpec:
         spec.norms, spec.qk_norm = "post", "all"
     elif t == "gpt_oss":
         spec.attn_sinks = True
+    elif t in ("deepseek_v2", "deepseek_v3"):
+        spec.mla, spec.qkv_bias = True, False  # attention_bias is MLA's own (kv_a_proj, q_a_proj)
     activation = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
     expected = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation]
     if activation != expected and not (spec.activation == "gelu_tanh" and activation == "gelu_tanh"):
@@ -136,6 +142,8 @@ def _moe_layers(cfg) -> list[bool]:
     if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         dense = set(cfg.mlp_only_layers or [])
         return [i not in dense and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0 for i in range(n)]
+    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):  # dense before first_k_dense_replace, then sparse
+        return [i >= (cfg.first_k_dense_replace or 0) and cfg.n_routed_experts > 0 for i in range(n)]
     return [False] * n
 
 

@@ -49,6 +49,23 @@ def test_families_on_triton_equal_transformers(tmp_path, builtin_dir, model_type
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_deepseek_on_triton_equals_transformers(tmp_path, builtin_dir):
+    """DeepSeek-V3's latent attention through the Triton kernels: a one-plane cache read as K and V
+    (width 40, padded in the kernels), 4 query heads on one latent head; transformers' greedy tokens."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from family_models import hf_reference, make_deepseek_model, mixed_prompts
+
+    from shoal import LLM, SamplingParams
+
+    path, model = make_deepseek_model(tmp_path, builtin_dir, "deepseek_v3")
+    prompts = mixed_prompts(4, seed=5)
+    want, _ = hf_reference(model, prompts, 4)
+    llm = LLM(model=str(path), attention_backend="triton", kv_cache_memory=2**22, max_num_batched_tokens=16, block_size=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_moe_model_greedy_triton_equals_torch(tmp_path, builtin_dir):
     """A Qwen2-MoE model (routed experts through fused_moe's grouped GEMMs, a gated shared expert)."""
     pytest.importorskip("triton")

@@ -84,6 +84,35 @@ def make_family_model(path, builtin_dir, model_type: str, shard: bool = False, *
     return path, model
 
 
+# DeepSeek-V2/V3 (tests/models/test_deepseek_models.py says what each varies)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+        "beta_fast": 32, "beta_slow": 1}
+ATTN = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8)
+DEEPSEEK = {
+    "deepseek_v2": dict(**ATTN, q_lora_rank=None, attention_bias=True, v_head_dim=12, n_routed_experts=8,
+                        num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                        routed_scaling_factor=1.5, n_shared_experts=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        num_hidden_layers=3,
+                        rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    "deepseek_v3": dict(**ATTN, q_lora_rank=24, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1, num_hidden_layers=3, rope_interleave=True,
+                        rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8}),
+}
+
+
+def make_deepseek_model(path, builtin_dir, model_type: str, **overrides):
+    """V3's e_score_correction_bias and V2's attention biases random (zeros at init would hide them)."""
+    path, model = make_family_model(path, builtin_dir, model_type, **{**DEEPSEEK[model_type], **overrides})
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, b in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith(("e_score_correction_bias", "self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias")):
+                b.copy_(torch.randn_like(b) * 0.3)
+    model.save_pretrained(path)
+    return path, model
+
+
 def mixed_prompts(n: int = 8, seed: int = 3) -> list[list[int]]:
     """Prompts of mixed length, most longer than the sliding windows above, one of one token."""
     rng = random.Random(seed)

@@ -16,6 +16,8 @@ def kv_memory(hf_config, tp: int, pp: int, blocks: int = NUM_BLOCKS, split=None)
     from shoal.runtime.models.decoder import head_dim_of, stage_layers
 
     layers = max(len(stage_layers(hf_config, ParallelState(pp_rank=p, pp_size=pp), split)) for p in range(pp))
+    if getattr(hf_config, "kv_lora_rank", None):  # DeepSeek's MLA: one latent plane, whole on every rank
+        return blocks * layers * BLOCK * (hf_config.kv_lora_rank + hf_config.qk_rope_head_dim) * 4
     kv_heads = max(1, hf_config.num_key_value_heads // tp)
     return blocks * 2 * layers * BLOCK * kv_heads * head_dim_of(hf_config) * 4
 
