@@ -386,7 +386,7 @@ def _phi3_config(meta: "_Metadata", cfg: dict, reader) -> None:
     original = meta.get(f"{a}.rope.scaling.original_context_length")
     if original:
         cfg["original_max_position_embeddings"] = original
-    factors = {t.name.split(".")[0]: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).ravel().tolist()
+    factors = {t.name.split(".")[0]: [_f32(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).ravel()]
                for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
     if factors:
         cfg["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors["rope_factors_long"],
