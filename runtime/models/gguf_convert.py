@@ -1,4 +1,4 @@
-"""Turn a Llama-family GGUF file into a Hugging Face model directory.
+"""Turn a GGUF file (llama, mistral, qwen2, qwen3, qwen3moe, gemma3, phi3) into a Hugging Face model directory.
 
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "~/.cache/shoal/models/smollm2-135m-instruct")
 
@@ -9,6 +9,9 @@ chat template), ``generation_config.json`` -- that ``transformers`` and the engi
 Tensors are read and dequantized with the ``gguf`` package one at a time. llama.cpp's converter
 permutes the rows of ``attn_q`` / ``attn_k`` of the ``llama`` architecture (it pairs rotary halves
 as interleaved pairs); that permutation is undone here so HF's rotate-half RoPE sees its own layout.
+The config is built from llama.cpp's own metadata keys (transformers' GGUF mapping drops some, such
+as Qwen3's head_dim), and what each architecture's conversion changed -- names, Gemma's (1 + w)
+norms, stacked experts -- is undone from the per-architecture tables below.
 
 The conversion is atomic and safe to race: it writes into a temporary sibling directory, fsyncs,
 then renames it into place, all under an ``fcntl`` lock on ``<out_dir>.lock``. An interrupted
