@@ -1,7 +1,7 @@
 """Qwen3, Qwen3-MoE, Gemma 3 and Phi-3 load from a .gguf as Llama does: a tiny random model of each,
 saved by transformers, written into a GGUF the way llama.cpp's convert_hf_to_gguf.py lays it out
 (its metadata keys, its tensor names, Gemma's norms stored as 1 + w, experts stacked into 3-D
-tensors, Phi-3's LongRoPE factors as tensors), is converted by Shoal and gives transformers' greedy
+tensors, Phi-3's LongRoPE factors as tensors, matrices in F16), is converted by Shoal and gives transformers' greedy
 tokens and first-step log-probabilities on the original weights (float32, CPU, torch backend)."""
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def _copy_tokenizer(w) -> None:
 
 
 def write_llama_cpp_gguf(path, hf_dir, cfg, arch: str) -> None:
-    """`hf_dir` written as convert_hf_to_gguf.py would write it (F32 tensors)."""
+    """`hf_dir` written as convert_hf_to_gguf.py would write it with --outtype f16: matrices (and
+    stacked experts) F16, norms and other vectors F32."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -119,10 +120,10 @@ def write_llama_cpp_gguf(path, hf_dir, cfg, arch: str) -> None:
             layer, leaf = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name).groups()
             names = {**_BLOCK, **_GEMMA3} if arch == "gemma3" else _BLOCK
             gg = f"blk.{layer}.{names[leaf]}.weight"
-        w.add_tensor(gg, np.ascontiguousarray(data, dtype=np.float32))
+        w.add_tensor(gg, np.ascontiguousarray(data, dtype=np.float16 if data.ndim >= 2 else np.float32))
     for (layer, proj), by_expert in sorted(experts.items()):
         stacked = np.stack([by_expert[e] for e in range(len(by_expert))])
-        w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.ascontiguousarray(stacked, dtype=np.float32))
+        w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", np.ascontiguousarray(stacked, dtype=np.float16))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -135,6 +136,11 @@ def family(request, tmp_path_factory, builtin_dir):
     arch, fields = GGUF_FAMILIES[model_type]
     root = tmp_path_factory.mktemp(model_type)
     hf_dir, model = make_family_model(root / "hf", builtin_dir, model_type, **fields)
+    with torch.no_grad():  # the matrices the F16 file can hold exactly, in the reference and its checkpoint
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.half().float())
+    model.save_pretrained(hf_dir)
     gguf_path = root / f"{model_type}.gguf"
     write_llama_cpp_gguf(gguf_path, hf_dir, model.config, arch)
     with pytest.MonkeyPatch.context() as mp:
