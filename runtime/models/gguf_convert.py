@@ -342,7 +342,7 @@ def _build_config(meta: "_Metadata", arch: str, model_type: str, hf_arch: str, *
 # ----------------------------------------------------------------------------- what each architecture adds
 
 
-def _qwen3moe_config(meta: "_Metadata", cfg: dict, reader) -> None:
+def _qwen3moe_config(meta: _Metadata, cfg: dict, reader) -> None:
     a = "qwen3moe"
     sparse = {int(m.group(1)) for t in reader.tensors
               if (m := _BLOCK_RE.match(t.name)) and m.group(2) == "ffn_gate_exps"}
@@ -358,7 +358,7 @@ def _qwen3moe_config(meta: "_Metadata", cfg: dict, reader) -> None:
     )
 
 
-def _gemma3_config(meta: "_Metadata", cfg: dict, reader) -> None:
+def _gemma3_config(meta: _Metadata, cfg: dict, reader) -> None:
     """Gemma 3's fixed choices, as llama.cpp's loader makes them (llama-model.cpp, LLM_ARCH_GEMMA3): with
     a sliding window every sixth layer is global; the local layers' RoPE base is 10000, unscaled; queries
     scale by 1/sqrt(hidden / heads) for the 62-layer 27B and by 1/sqrt(head_dim) otherwise."""
@@ -379,7 +379,7 @@ def _gemma3_config(meta: "_Metadata", cfg: dict, reader) -> None:
     )
 
 
-def _phi3_config(meta: "_Metadata", cfg: dict, reader) -> None:
+def _phi3_config(meta: _Metadata, cfg: dict, reader) -> None:
     """Phi-3 writes its partial rotary as rope.dimension_count and its LongRoPE factors as the
     rope_factors_long/short tensors (no rope.scaling.type)."""
     import gguf

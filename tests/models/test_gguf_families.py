@@ -51,7 +51,7 @@ def _copy_tokenizer(w) -> None:
     import gguf
 
     fields = gguf.GGUFReader(str(builtin_gguf_path())).fields
-    get = lambda key: fields[key].contents()  # noqa: E731
+    get = lambda key: fields[key].contents()
     w.add_tokenizer_model(get("tokenizer.ggml.model"))
     w.add_tokenizer_pre(get("tokenizer.ggml.pre"))
     w.add_token_list(get("tokenizer.ggml.tokens"))
