@@ -1,4 +1,4 @@
-"""Turn a Llama-family GGUF file into a Hugging Face model directory.
+"""Turn a GGUF file (llama, mistral, qwen2, qwen3, qwen3moe, gemma3, phi3) into a Hugging Face model directory.
 
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "~/.cache/shoal/models/smollm2-135m-instruct")
 
@@ -9,6 +9,9 @@ chat template), ``generation_config.json`` -- that ``transformers`` and the engi
 Tensors are read and dequantized with the ``gguf`` package one at a time. llama.cpp's converter
 permutes the rows of ``attn_q`` / ``attn_k`` of the ``llama`` architecture (it pairs rotary halves
 as interleaved pairs); that permutation is undone here so HF's rotate-half RoPE sees its own layout.
+The config is built from llama.cpp's own metadata keys (transformers' GGUF mapping drops some, such
+as Qwen3's head_dim), and what each architecture's conversion changed -- names, Gemma's (1 + w)
+norms, stacked experts -- is undone from the per-architecture tables below.
 
 The conversion is atomic and safe to race: it writes into a temporary sibling directory, fsyncs,
 then renames it into place, all under an ``fcntl`` lock on ``<out_dir>.lock``. An interrupted
@@ -38,11 +41,16 @@ CONVERTER_VERSION = 1
 MANIFEST = "shoal_conversion.json"
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 
-# GGUF architecture -> (HF model_type, HF architecture class, undo llama.cpp's Q/K permutation?)
+# GGUF architecture -> (HF model_type, HF architecture class, undo llama.cpp's Q/K permutation?).
+# convert_hf_to_gguf.py permutes q/k rows only for the llama architecture (LlamaModel.permute).
 _ARCHS: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "mistral": ("mistral", "MistralForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", False),
+    "phi3": ("phi3", "Phi3ForCausalLM", False),
 }
 
 _GLOBAL_TENSORS = {
@@ -57,11 +65,28 @@ _BLOCK_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
-# Tensors llama.cpp derives for its own use; HF recomputes them from the config.
+# Where an architecture's block tensors mean something else (gguf-py's tensor_mapping.py).
+_BLOCK_OVERRIDES: dict[str, dict[str, str]] = {
+    # Gemma 3's four norms: ffn_norm is the one *before* the MLP; the post-norms have their own names.
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3's fused projections: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up (gate rows first).
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# 3-D expert tensors [n_expert, rows, cols]: written back one HF tensor per expert, as
+# save_pretrained writes them.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# llama.cpp stores Gemma 3's RMSNorm weights as (1 + w) (convert_hf_to_gguf Gemma3Model.norm_shift).
+_NORM_SHIFT = {"gemma3": 1.0}
+# Tensors llama.cpp derives for its own use; HF recomputes them from the config (Phi-3's LongRoPE
+# factors are read into the config instead).
 _SKIPPED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -125,13 +150,12 @@ def _convert_into(gguf_path: Path, out: Path, source: dict, *, progress: bool, m
     meta = _Metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHS))} "
-            "(Llama-family decoders)"
-        )
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHS))}")
     model_type, hf_arch, permute_qk = _ARCHS[arch]
     names = {t.name for t in reader.tensors}
     config = _build_config(meta, arch, model_type, hf_arch, tie=("output.weight" not in names))
+    if arch in _ARCH_CONFIG:
+        _ARCH_CONFIG[arch](meta, config, reader)
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
     # Plan the shards from the tensor sizes, so each tensor is written exactly once, in order.
@@ -161,18 +185,20 @@ def _convert_into(gguf_path: Path, out: Path, source: dict, *, progress: bool, m
             )
             state: dict[str, torch.Tensor] = {}
             for t in group:
-                hf_name = _hf_name(t.name)
                 array = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
                 array = array.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
                 if permute_qk and ".attn_q." in t.name:
                     array = _unpermute(array, n_head)
                 elif permute_qk and ".attn_k." in t.name:
                     array = _unpermute(array, n_kv)
-                if not array.flags.writeable or not array.flags.c_contiguous:  # memmapped F32 tensors
-                    array = np.array(array, dtype=np.float32, order="C")
-                state[hf_name] = torch.from_numpy(array)
-                weight_map[hf_name] = filename
-                total += array.nbytes
+                if arch in _NORM_SHIFT and t.name.endswith("norm.weight"):
+                    array = array - np.float32(_NORM_SHIFT[arch])
+                for hf_name, part in _hf_tensors(t.name, array, arch):
+                    if not part.flags.writeable or not part.flags.c_contiguous:  # memmapped F32 tensors
+                        part = np.array(part, dtype=np.float32, order="C")
+                    state[hf_name] = torch.from_numpy(part)
+                    weight_map[hf_name] = filename
+                    total += part.nbytes
                 bar.update(1)
             save_file(state, str(out / filename), metadata={"format": "pt"})
             del state
@@ -227,17 +253,28 @@ def quantized_weights(gguf_path: str | os.PathLike) -> dict[str, tuple[int, np.n
             rows = _unpermute(rows, n_head)
         elif permute_qk and ".attn_k." in t.name:
             rows = _unpermute(rows, n_kv)
-        out[_hf_name(t.name)] = (int(t.tensor_type), rows)
+        out[_hf_name(t.name, arch)] = (int(t.tensor_type), rows)
     return out
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama-family counterpart")
+    names = {**_BLOCK_TENSORS, **_BLOCK_OVERRIDES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in a {arch!r} model")
+
+
+def _hf_tensors(gguf_name: str, array: np.ndarray, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF tensors one GGUF tensor holds: itself renamed, or one per expert of a 3-D expert tensor."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _EXPERT_TENSORS:
+        for e in range(array.shape[0]):
+            yield f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_TENSORS[m.group(2)]}.{m.group(3)}", array[e]
+    else:
+        yield _hf_name(gguf_name, arch), array
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -284,7 +321,7 @@ def _build_config(meta: "_Metadata", arch: str, model_type: str, hf_arch: str, *
     if model_type == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     rot = meta.get(f"{a}.rope.dimension_count")
-    if rot is not None and rot != head_dim:
+    if rot is not None and rot != head_dim and arch != "phi3":  # Phi-3 reads it as partial_rotary_factor
         raise ValueError(f"partial rotary embeddings (rope.dimension_count={rot}, head_dim={head_dim}) are not supported")
     scaling = meta.get(f"{a}.rope.scaling.type")
     factor = meta.get(f"{a}.rope.scaling.factor")
@@ -300,6 +337,67 @@ def _build_config(meta: "_Metadata", arch: str, model_type: str, hf_arch: str, *
     if sw:
         cfg["sliding_window"] = sw
     return {k: v for k, v in cfg.items() if v is not None or k == "pad_token_id"}
+
+
+# ----------------------------------------------------------------------------- what each architecture adds
+
+
+def _qwen3moe_config(meta: _Metadata, cfg: dict, reader) -> None:
+    a = "qwen3moe"
+    sparse = {int(m.group(1)) for t in reader.tensors
+              if (m := _BLOCK_RE.match(t.name)) and m.group(2) == "ffn_gate_exps"}
+    moe_ff = meta.get(f"{a}.expert_feed_forward_length")
+    cfg.update(
+        num_experts=meta.get(f"{a}.expert_count"),
+        num_experts_per_tok=meta.get(f"{a}.expert_used_count"),
+        moe_intermediate_size=moe_ff,
+        intermediate_size=cfg.get("intermediate_size") or moe_ff,
+        norm_topk_prob=bool(meta.get(f"{a}.expert_weights_norm", True)),  # llama.cpp's qwen3moe renormalises the top-k
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(cfg["num_hidden_layers"]) if i not in sparse],
+    )
+
+
+def _gemma3_config(meta: _Metadata, cfg: dict, reader) -> None:
+    """Gemma 3's fixed choices, as llama.cpp's loader makes them (llama-model.cpp, LLM_ARCH_GEMMA3): with
+    a sliding window every sixth layer is global; the local layers' RoPE base is 10000, unscaled; queries
+    scale by 1/sqrt(hidden / heads) for the 62-layer 27B and by 1/sqrt(head_dim) otherwise."""
+    a = "gemma3"
+    n, window = cfg["num_hidden_layers"], meta.get(f"{a}.attention.sliding_window") or 0
+    full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    full.update(cfg.pop("rope_scaling", {}))
+    local = {"rope_type": "default", "rope_theta": _f32(meta.get(f"{a}.rope.freq_base_swa", 10000.0))}
+    cfg.update(
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"],
+        sliding_window=window or None,
+        layer_types=["sliding_attention" if window and (i + 1) % 6 else "full_attention" for i in range(n)],
+        rope_parameters={"sliding_attention": local, "full_attention": full},
+        final_logit_softcapping=meta.get(f"{a}.final_logit_softcapping"),
+        attn_logit_softcapping=None,
+    )
+
+
+def _phi3_config(meta: _Metadata, cfg: dict, reader) -> None:
+    """Phi-3 writes its partial rotary as rope.dimension_count and its LongRoPE factors as the
+    rope_factors_long/short tensors (no rope.scaling.type)."""
+    import gguf
+
+    a = "phi3"
+    cfg["partial_rotary_factor"] = (meta.get(f"{a}.rope.dimension_count") or cfg["head_dim"]) / cfg["head_dim"]
+    original = meta.get(f"{a}.rope.scaling.original_context_length")
+    if original:
+        cfg["original_max_position_embeddings"] = original
+    factors = {t.name.split(".")[0]: [_f32(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).ravel()]
+               for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if factors:
+        cfg["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors["rope_factors_long"],
+                               "short_factor": factors["rope_factors_short"]}
+
+
+# llama.cpp architecture -> what its config adds to the common fields _build_config reads
+_ARCH_CONFIG = {"qwen3moe": _qwen3moe_config, "gemma3": _gemma3_config, "phi3": _phi3_config}
 
 
 def _write_tokenizer(gguf_path: Path, meta: "_Metadata", out: Path, config: dict) -> None:
