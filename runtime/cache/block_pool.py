@@ -102,11 +102,15 @@ class BlockPool:
             if block is None:
                 break
             found.append(block)
-        for block in found:
+        self.take(found)
+        return found
+
+    def take(self, blocks) -> None:
+        """Another owner for cached blocks, in use or on the free list."""
+        for block in blocks:
             if self.ref_count[block] == 0:
                 del self.free[block]
             self.ref_count[block] += 1
-        return found
 
     def register(self, block: int, h: int) -> None:
         """A block just became full: make it findable by its hash (first writer wins)."""

@@ -31,6 +31,8 @@ from shoal.runtime.executor.executor import make_executor
 from shoal.runtime.engine.structured_output import StructuredOutputs, pack_ids
 from shoal.runtime.engine.step_input import pad_rows, prepare, sampling_metadata
 from shoal.runtime.layers.sampler import Finished, SampleResult
+from shoal.runtime.models.families import spec_of
+from shoal.runtime.models.kv_groups import kv_cache_groups
 from shoal.runtime.models.loader import load_config, load_tokenizer, resolve_model
 from shoal.runtime.sampling_params import SamplingParams
 
@@ -127,7 +129,8 @@ class LLMEngine:
         num_blocks = self.executor.num_blocks_for(config.kv_cache_memory)
         self.executor.allocate_kv_cache(num_blocks)
         self.block_size = config.block_size
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        groups = kv_cache_groups(spec_of(self.hf_config).windows)  # full and sliding-window layers' block tables
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching, [g.window for g in groups])
         self.num_lanes = batches_in_flight(config, self.executor)
         self.lora = None  # the LoRA adapters' registry and device slots (lora_manager.py)
         if config.enable_lora:
@@ -141,10 +144,10 @@ class LLMEngine:
         # one process that fills inputs on its device, one batch in flight: async scheduling can run
         self.can_overlap = self.executor.overlaps_steps and self.num_lanes == 1
         self.overlap = async_scheduling(config.async_scheduling, self.can_overlap, self.executor.pipelined)
-        capacity = num_blocks * self.block_size
-        if model_len > capacity:
+        capacity = self.kv.max_tokens()  # num_blocks * block_size but for sliding windows
+        if capacity is not None and model_len > capacity:
             log.warning("max_model_len %d exceeds the KV cache's %d tokens; capping it", model_len, capacity)
-        self.max_model_len = min(model_len, capacity)
+        self.max_model_len = model_len if capacity is None else min(model_len, capacity)
         self.decode_rows = self.executor.decode_planner(num_blocks * self.executor.kv_bytes_per_block())
         self.load_times["kv_cache"] = time.perf_counter() - t
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
@@ -436,9 +439,8 @@ class LLMEngine:
         if parent.finished or not self.kv.can_fork(parent):
             self.scheduler.add(child)  # no blocks to share: recompute the prompt later
             return
-        copy = self.kv.fork(parent, child)
-        if copy is not None:
-            self.executor.copy_block(*copy)
+        for src, dst in self.kv.fork(parent, child):  # the partial last block, in each KV-cache group
+            self.executor.copy_block(src, dst)
         self.scheduler.add_running(child, parent.lane)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict | None, logprob: float) -> None:

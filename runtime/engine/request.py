@@ -76,7 +76,9 @@ class Sequence:
         # schedules the next step before they are read back: docs/engine.md)
         self.num_pending = 0
         self.awaits_fork = False  # an n > 1 sibling made when the prompt completed, before its blocks
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # its blocks (the first KV-cache group's, models/kv_groups.py)
+        self.group_tables: list[list[int]] = []  # the other groups' blocks, where the model has several
+        self.num_dropped: list[int] = []  # per group: leading blocks left the sliding window (now the null block)
         self.kv_row: int | None = None  # its row of the KV-cache manager's BlockTables, while it holds blocks
         self.block_hashes: list[int] = []
         self.num_registered = 0  # full blocks already offered to the prefix cache

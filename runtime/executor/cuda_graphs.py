@@ -67,7 +67,8 @@ class DecodeGraphs:
     def fits(self, step) -> bool:
         m = step.meta
         return (m.num_decode_tokens == step.input_ids.shape[0] and 0 < m.num_decode_tokens <= self.sizes[-1]
-                and m.decode_plan is None and m.decode_block_tables.shape[1] <= self.block_tables.shape[1])
+                and m.decode_plan is None and m.decode_block_tables.shape[1] <= self.block_tables.shape[1]
+                and m.group_slot_mapping is None)  # several KV-cache groups' tables: eager
 
     def run(self, step) -> torch.Tensor:
         """The sample rows' logits [S, V] of a decode-only step (its tensors on the device)."""

@@ -114,7 +114,8 @@ class ModelRunner(Executor):
         self.lora_mapping, self.lora_layers = None, {}
         if config.enable_lora:
             self._install_lora(config.max_loras, config.max_lora_rank)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # per layer (layers of different KV-cache groups may share one)
+        self.kv_tensors: list[torch.Tensor] = []  # each once
         self.workspaces: list | None = None  # the decode mirror (torch backend, CPU), per layer
         self.staging = Staging(self.device) if self.device.type != "cpu" else None
         self.graphs = None  # CUDA graphs of decode-only steps (cuda_graphs.py), captured with the KV cache
@@ -150,8 +151,8 @@ class ModelRunner(Executor):
         return self.device.type == "cuda"
 
     def kv_bytes_per_block(self) -> int:
-        m = self.model
-        return m.kv_planes * len(m.layers) * self.config.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
+        m = self.model  # a block holds a page in each KV tensor: one per layer, fewer with sliding windows (kv_groups.py)
+        return m.kv_planes * m.num_kv_tensors * self.config.block_size * m.num_kv_heads * m.head_dim * self.kv_dtype.itemsize
 
     def num_blocks_for(self, kv_cache_memory: float | None) -> int:
         if kv_cache_memory is None:
@@ -173,13 +174,16 @@ class ModelRunner(Executor):
         # (kernels/reference.py: a gather then yields each head's keys contiguous).
         # Zeroed, so that slots never written are never NaN (masked attention multiplies by 0).
         # On CPU one pool in huge pages: a decode step reads blocks scattered all over it.
+        # One tensor per KV slot, each layer seeing its slot's (kv_groups.py; one per layer without windows).
         shape = (m.kv_planes, m.num_kv_heads, num_blocks, self.config.block_size, m.head_dim)
+        n = m.num_kv_tensors
         if self.device.type == "cpu":
-            pool = huge_page_zeros(len(m.layers) * math.prod(shape), self.kv_dtype).view(len(m.layers), *shape)
+            pool = huge_page_zeros(n * math.prod(shape), self.kv_dtype).view(n, *shape)
             caches = list(pool.unbind(0))
         else:
-            caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in m.layers]
-        self.kv_caches = [c.permute(0, 2, 3, 1, 4) for c in caches]
+            caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(n)]
+        self.kv_tensors = [c.permute(0, 2, 3, 1, 4) for c in caches]
+        self.kv_caches = [self.kv_tensors[slot] for slot in m.kv_slots]  # per layer
         if self.cpu_decoder is not None:
             self.cpu_decoder.attach(self.kv_caches)
         if (self.device.type == "cuda" and self.ops.backend == "triton" and not self.config.enforce_eager
@@ -218,7 +222,7 @@ class ModelRunner(Executor):
         return DecodeRows(2 * kv_cache_bytes, per_token, m.num_kv_heads)
 
     def copy_block(self, src: int, dst: int) -> None:
-        for cache in self.kv_caches:
+        for cache in self.kv_tensors:
             cache[:, dst].copy_(cache[:, src])
 
     def _runs_in_c(self, step: StepInput, hidden) -> bool:

@@ -9,7 +9,7 @@ one batched call: no loop over sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,22 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None  # [Bp + 1], offsets within the prefill tokens
     prefill_context_lens: torch.Tensor | None  # [Bp]
     decode_plan: DecodePlan | None = None  # torch backend: decode from the workspace mirror
+    # several KV-cache groups (full and sliding-window layers, models/kv_groups.py): each group's
+    # slots [G, T] and tables [G, B, nb]; the fields above are then group 0's
+    group_slot_mapping: torch.Tensor | None = None
+    group_decode_block_tables: torch.Tensor | None = None
+    group_prefill_block_tables: torch.Tensor | None = None
+
+    def per_group(self) -> list["AttentionMetadata"]:
+        """One metadata per KV-cache group, each with only its own slots and tables."""
+        if self.group_slot_mapping is None:
+            return [self]
+        none = dict(group_slot_mapping=None, group_decode_block_tables=None, group_prefill_block_tables=None)
+        return [replace(self, slot_mapping=self.group_slot_mapping[g],
+                        decode_block_tables=None if self.group_decode_block_tables is None else self.group_decode_block_tables[g],
+                        prefill_block_tables=None if self.group_prefill_block_tables is None else self.group_prefill_block_tables[g],
+                        **none)
+                for g in range(self.group_slot_mapping.shape[0])]
 
 
 def attend(ops, q, k, v, layer_cache, meta: AttentionMetadata, scale: float, window: int = 0,

@@ -24,6 +24,7 @@ from shoal.runtime.layers.linear import PLAIN, MergedColumnLinear, QKVLinear, Ro
 from shoal.runtime.layers.moe import SparseMoeBlock
 from shoal.runtime.models.deepseek import MlaAttention, latent_cache_width
 from shoal.runtime.models.families import DecoderSpec, spec_of
+from shoal.runtime.models.kv_groups import layer_places
 
 
 def head_dim_of(cfg) -> int:
@@ -267,6 +268,13 @@ class DecoderForCausalLM(nn.Module):
         else:
             self.kv_planes, self.num_kv_heads = 2, self.layers[0].self_attn.qkv_proj.local_kv_heads
             self.head_dim = head_dim_of(cfg)
+        # KV-cache groups (kv_groups.py): each layer reads its group's block table and writes its
+        # slot's KV tensor; this stage holds the tensors of the slots its layers use
+        places = [layer_places(spec.windows)[i] for i in self.layer_range]
+        slots = sorted({slot for _, slot in places})
+        self.kv_groups = [group for group, _ in places]
+        self.kv_slots = [slots.index(slot) for _, slot in places]
+        self.num_kv_tensors = len(slots)
 
     @property
     def windowed(self) -> bool:
@@ -276,7 +284,7 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, ops, input_ids, positions, kv_caches, meta, hidden=None, residual=None):
         """First stage: from token ids; later stages: from the previous stage's (hidden, residual).
-        Returns (hidden, residual); the last stage's hidden is normed, ready for logits."""
+        kv_caches: per layer (its slot's KV tensor, its decode workspace). Returns (hidden, residual); the last stage's hidden is normed, ready for logits."""
         if hidden is None:
             x = self.embed_tokens(input_ids)
             scale = self.spec.embed_scale
@@ -284,8 +292,9 @@ class DecoderForCausalLM(nn.Module):
                 x = x * (torch.tensor(scale, dtype=x.dtype) if self.spec.norm_offset else scale)
         else:
             x = hidden
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(ops, positions, x, residual, kv_cache, meta, self.rope)
+        metas = meta.per_group()
+        for layer, kv_cache, group in zip(self.layers, kv_caches, self.kv_groups):
+            x, residual = layer(ops, positions, x, residual, kv_cache, metas[group], self.rope)
         if self.norm is not None:
             x, _ = self.norm(ops, x, residual)
             residual = None

@@ -45,7 +45,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     parent.num_computed = 6
     child = Request("c", None, list(range(1, 7)), SamplingParams()).seqs[0]
     assert kv.can_fork(parent)
-    src, dst = kv.fork(parent, child)
+    [(src, dst)] = kv.fork(parent, child)
     assert child.block_table[0] == parent.block_table[0] and kv.pool.ref_count[parent.block_table[0]] == 2
     assert (src, dst) == (parent.block_table[1], child.block_table[1]) and src != dst
     assert child.num_computed == 6
@@ -61,7 +61,7 @@ def test_no_fork_without_a_block_for_the_partial_one():
     whole = seq_of(range(1, 9), n=2)
     kv.free(parent)
     assert kv.allocate(whole, 8) and kv.can_fork(whole)  # no partial block: nothing to copy
-    assert kv.fork(whole, seq_of(range(1, 9))) is None
+    assert kv.fork(whole, seq_of(range(1, 9))) == []
 
 
 def _assert_mirrored(kv, seqs):
@@ -71,12 +71,12 @@ def _assert_mirrored(kv, seqs):
     assert len(held) == sum(1 for s in seqs if s.block_table)  # no two share a row
     for s in seqs:
         if s.block_table:
-            assert t.table[s.kv_row, : len(s.block_table)].tolist() == s.block_table
-            assert not t.table[s.kv_row, len(s.block_table) :].any()
+            assert t.table[0, s.kv_row, : len(s.block_table)].tolist() == s.block_table
+            assert not t.table[0, s.kv_row, len(s.block_table) :].any()
         else:
             assert s.kv_row is None
     for row in set(range(len(t.lengths))) - held:
-        assert not t.table[row].any() and t.lengths[row] == 0
+        assert not t.table[:, row].any() and t.lengths[row] == 0
 
 
 def test_block_tables_mirror_every_change_and_gather_pads_with_zero():
@@ -114,8 +114,8 @@ def test_block_tables_mirror_every_change_and_gather_pads_with_zero():
             kv.free(rng.choice(live))
         _assert_mirrored(kv, seqs)
     live = [s for s in seqs if s.block_table]
-    assert len(kv.tables.lengths) > 4 and kv.tables.table.shape[1] > 4
-    gathered = kv.tables.gather(live)
+    assert len(kv.tables.lengths) > 4 and kv.tables.table.shape[2] > 4
+    gathered = kv.tables.gather(live)[0]  # the one group
     width = max(len(s.block_table) for s in live)
     assert gathered.shape == (len(live), width)
     assert gathered.tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in live]
