@@ -63,8 +63,14 @@ class BlockTables:
             self.free_rows.append(row)
             seq.kv_row = None
 
+    @property
+    def rows(self) -> np.ndarray:
+        """[rows, width] with one group (as before groups: 2-D indexing is the cheaper), else [groups, rows, width]."""
+        return self.table[0] if len(self.table) == 1 else self.table
+
     def gather(self, seqs) -> np.ndarray:
-        """[groups, len(seqs), longest] int64: their block tables, zero-padded."""
+        """[len(seqs), longest] int64 (one group; [groups, len(seqs), longest] with several):
+        their block tables, zero-padded."""
         rows = np.fromiter([s.kv_row for s in seqs], dtype=np.int64, count=len(seqs))
         width = max(1, int(self.lengths[rows].max()))
-        return self.table[:, rows, :width]
+        return self.rows[..., rows, :width]

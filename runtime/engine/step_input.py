@@ -51,30 +51,34 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, tabl
     ids = [0 if s.num_pending else s.token_ids[s.num_computed] for s in decodes]
     fill = [(i, prev_rows[s]) for i, s in enumerate(decodes) if s.num_pending] if prev_rows else None
     pos = np.fromiter((s.num_computed for s in decodes), dtype=np.int64, count=nd)
-    # [groups, rows, blocks]: one table per KV-cache group (one group but for sliding windows)
+    # With several KV-cache groups (sliding windows) every table and slot array gains a leading
+    # group axis (the `...` below); one group keeps the 2-D arrays
+    grouped = tables.table.shape[0] > 1
     decode_tables = tables.gather(decodes) if decodes else None
-    slots = [decode_tables[:, np.arange(nd), pos // block_size] * block_size + pos % block_size] if decodes else []
+    slots = [decode_tables[..., np.arange(nd), pos // block_size] * block_size + pos % block_size] if decodes else []
     positions = [pos]
     starts = [0]
+    rows = tables.rows
     for s, n in zip(prefills, chunks):
         p = np.arange(s.num_computed, s.num_computed + n)
         ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
         positions.append(p)
-        slots.append(tables.table[:, s.kv_row, p // block_size] * block_size + p % block_size)
+        slots.append(rows[..., s.kv_row, p // block_size] * block_size + p % block_size)
         starts.append(starts[-1] + n)
     prefill_tables = tables.gather(prefills) if prefills else None
-    slots = np.concatenate(slots, axis=1) if slots else None
+    slots = np.concatenate(slots, axis=-1) if slots else None
+    first = (lambda a: a[0]) if grouped else (lambda a: a)  # group 0's, in the fields every layer reads without groups
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots[0]) if slots is not None else _long([]),
+        slot_mapping=torch.from_numpy(first(slots)) if slots is not None else _long([]),
         num_decode_tokens=nd,
-        decode_block_tables=torch.from_numpy(decode_tables[0]) if decodes and decode_plan is None else None,
+        decode_block_tables=torch.from_numpy(first(decode_tables)) if decodes and decode_plan is None else None,
         decode_context_lens=torch.from_numpy(pos + 1) if decodes else None,
-        prefill_block_tables=torch.from_numpy(prefill_tables[0]) if prefills else None,
+        prefill_block_tables=torch.from_numpy(first(prefill_tables)) if prefills else None,
         prefill_query_start_loc=_long(starts) if prefills else None,
         prefill_context_lens=_long([s.num_computed + n for s, n in zip(prefills, chunks)]) if prefills else None,
         decode_plan=decode_plan,
     )
-    if tables.table.shape[0] > 1 and slots is not None:  # each layer reads its own group's (AttentionMetadata.per_group)
+    if grouped and slots is not None:  # each layer reads its own group's (AttentionMetadata.per_group)
         meta.group_slot_mapping = torch.from_numpy(slots)
         meta.group_decode_block_tables = torch.from_numpy(decode_tables) if decodes else None
         meta.group_prefill_block_tables = torch.from_numpy(prefill_tables) if prefills else None
