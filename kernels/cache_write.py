@@ -24,7 +24,7 @@ def _round_e4m3(x):
 
 @triton.jit
 def _write_kv_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, s_slot,
     s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
     s_kcn, s_kcb, s_kch, s_kcd, s_vcn, s_vcb, s_vch, s_vcd,
     k_inv, v_inv,  # float8 cache: 1 / its scales
@@ -32,7 +32,7 @@ def _write_kv_cache_kernel(
     BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * s_slot).to(tl.int64)
     if slot < 0:  # a padding token (vLLM's convention): nothing to store
         return
     blk = slot // BLOCK_SIZE
@@ -60,7 +60,7 @@ def write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 
     assert value.shape == key.shape and k_cache.shape == v_cache.shape
     assert k_cache.shape[2:] == (kvh, d), "cache is [num_blocks, block_size, kvh, d]"
     _write_kv_cache_kernel[(T,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),  # a group's row of [G, T] may be strided
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         1.0 / k_scale, 1.0 / v_scale,
         NUM_KV_HEADS=kvh, HEAD_DIM=d, H_PAD=next_pow2(kvh), D_PAD=next_pow2(d),

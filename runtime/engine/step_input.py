@@ -54,7 +54,7 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, tabl
     # With several KV-cache groups (sliding windows) every table and slot array gains a leading
     # group axis (the `...` below); one group keeps the 2-D arrays
     grouped = tables.table.shape[0] > 1
-    decode_tables = tables.gather(decodes) if decodes else None
+    decode_tables = np.ascontiguousarray(tables.gather(decodes)) if decodes else None
     slots = [decode_tables[..., np.arange(nd), pos // block_size] * block_size + pos % block_size] if decodes else []
     positions = [pos]
     starts = [0]
@@ -65,8 +65,10 @@ def prepare(batch: ScheduledBatch, sample_rows: list[int], block_size: int, tabl
         positions.append(p)
         slots.append(rows[..., s.kv_row, p // block_size] * block_size + p % block_size)
         starts.append(starts[-1] + n)
-    prefill_tables = tables.gather(prefills) if prefills else None
-    slots = np.concatenate(slots, axis=-1) if slots else None
+    prefill_tables = np.ascontiguousarray(tables.gather(prefills)) if prefills else None
+    # C order: numpy's fancy indexing may hand back a group-major array in Fortran order, and
+    # a kernel reads a group's slots as one contiguous row (the cache write takes no stride)
+    slots = np.ascontiguousarray(np.concatenate(slots, axis=-1)) if slots else None
     first = (lambda a: a[0]) if grouped else (lambda a: a)  # group 0's, in the fields every layer reads without groups
     meta = AttentionMetadata(
         slot_mapping=torch.from_numpy(first(slots)) if slots is not None else _long([]),

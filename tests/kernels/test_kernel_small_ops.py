@@ -38,6 +38,21 @@ def test_write_kv_cache(kvh, d, bs, T, dtype):
     assert int((~caches[0].isnan()).all(-1).all(-1).sum()) == T  # exactly T slots written
 
 
+def test_write_kv_cache_reads_strided_slots():
+    """A KV-cache group's slots as a row of a [groups, T] array in Fortran order (what numpy's
+    fancy indexing can hand the step builder): every stride honoured, as the reference does."""
+    T, bs = 6, 16
+    grouped = torch.randperm(4 * bs)[: 2 * T].view(T, 2).T  # [2, T], column-major
+    key, value = torch.randn(T, 2, 64), torch.randn(T, 2, 64)
+    for slots in grouped:
+        assert slots.stride(0) == 2
+        caches = [torch.zeros(4, bs, 2, 64) for _ in range(4)]
+        cache_write.write_kv_cache(key, value, caches[0], caches[1], slots)
+        ref.write_kv_cache(key, value, caches[2], caches[3], slots)
+        torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
+        torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
+
+
 def test_write_kv_cache_skips_negative_slots():
     key = value = torch.randn(3, 2, 64)
     k_cache = torch.zeros(2, 16, 2, 64)

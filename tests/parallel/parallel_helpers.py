@@ -15,7 +15,13 @@ def kv_memory(hf_config, tp: int, pp: int, blocks: int = NUM_BLOCKS, split=None)
     from shoal.runtime.distributed import ParallelState
     from shoal.runtime.models.decoder import head_dim_of, stage_layers
 
-    layers = max(len(stage_layers(hf_config, ParallelState(pp_rank=p, pp_size=pp), split)) for p in range(pp))
+    from shoal.runtime.models.families import spec_of
+    from shoal.runtime.models.kv_groups import layer_places
+
+    # a block holds one page per KV tensor: one per layer, fewer where sliding windows share (kv_groups.py)
+    places = layer_places(spec_of(hf_config).windows)
+    layers = max(len({places[i][1] for i in stage_layers(hf_config, ParallelState(pp_rank=p, pp_size=pp), split)})
+                 for p in range(pp))
     if getattr(hf_config, "kv_lora_rank", None):  # DeepSeek's MLA: one latent plane, whole on every rank
         return blocks * layers * BLOCK * (hf_config.kv_lora_rank + hf_config.qk_rope_head_dim) * 4
     kv_heads = max(1, hf_config.num_key_value_heads // tp)
@@ -67,7 +73,8 @@ def generate(model_dir, tp: int, pp: int, prompts, batches_in_flight=None, param
         children = list(getattr(executor, "children", []))
         if tp * pp > 1:
             assert executor.group_ready()
-        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+        held = llm.engine.kv.null_block is not None  # sliding windows' null block, held for the engine's life
+        assert llm.engine.pool.num_free == llm.engine.pool.num_blocks - held
     finally:
         llm.engine.shutdown()
     for child in children:  # clean shutdown: every rank exited 0, none left behind
