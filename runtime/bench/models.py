@@ -37,6 +37,13 @@ PRESETS: dict[str, dict] = {
                         num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=80,
                         tie_word_embeddings=True, max_position_embeddings=8192,
                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # issue 29's CPU throughput check for experts: qwen3-small's attention, 8 layers of MoE blocks shaped
+    # like Qwen3-30B-A3B's (top-8, each expert 3/8 of hidden wide) with 64 experts
+    "qwen3-moe-small": dict(model_type="qwen3_moe", vocab_size=49152, hidden_size=512, intermediate_size=1536,
+                            moe_intermediate_size=192, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+                            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=80,
+                            tie_word_embeddings=True, max_position_embeddings=8192,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     # smoke runs of the GPU check on CPU: a workload's ids fit, everything else tiny.
     "tiny": dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,

@@ -99,8 +99,8 @@ class ModelRunner(Executor):
         self.cpu_decoder = None  # the C decode step, for small decode-only batches
         if self.device.type == "cpu":
             keep_freed_heap_memory()
-            if (config.cpu_decode_max_seqs and self.model.spec.plain and not quantized(self.model)
-                and self.kv_dtype == self.dtype):  # the C step: Llama's shape, a cache in the model's dtype
+            if (config.cpu_decode_max_seqs and self.model.spec.c_step and not quantized(self.model)
+                and self.kv_dtype == self.dtype):  # the C step: Llama's shape (or Qwen3's), a cache in the model's dtype
                 from shoal.runtime.models.cpu_llama import CpuDecoder
 
                 self.cpu_decoder = CpuDecoder.create(self.model, quantized=gguf_blocks(config, model_dir))  # before oneDNN packing drops the plain weights

@@ -17,7 +17,9 @@
  * attention of a step's prefill rows read from the paged cache in place (torch's SDPA path
  * gathers every block first and pads sequences to buckets: 2-2.5x slower).
  *
- * The reference is the torch model (runtime/models/llama.py over kernels/reference.py):
+ * Qwen3 differs only by an RMSNorm of each query and key head before RoPE, fused into attention.
+ *
+ * The reference is the torch model (runtime/models/decoder.py over kernels/reference.py):
  * tests compare logits, cache contents, and each prefill op's output. Shapes and the cache layout are those of
  * kernels/reference.py; the cache is stored [2, kvh, num_blocks, block_size, d].
  * Quantized weights (GGUF's Q4_0, Q4_1, Q8_0 blocks, kept as the file stores them): a batch-1
@@ -63,6 +65,7 @@ typedef struct {
     const uint8_t **qkv_q, **o_q, **gate_up_q, **down_q;
     const uint8_t *lm_head_q;
     const int64_t *types; /* [num_layers * 4 + 1]: qkv, o, gate_up, down of each layer, then the LM head */
+    const float **q_norm, **k_norm; /* per layer [head_dim]: Qwen3's RMSNorm of each head before RoPE; NULL: none */
 } Model;
 
 /* A weight matrix: float panels, rows of GGUF blocks of `type` (0: none), or both. */
@@ -480,6 +483,12 @@ static void add_rms_norm(Worker *w, float *resid, const float *add, const float 
     }
 }
 
+/* RMSNorm of one head in place (Qwen3's q/k norms) */
+static void head_rms_norm(float *x, const float *weight, int64_t d, float eps) {
+    float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) x[i] = x[i] * inv * weight[i];
+}
+
 /* neox RoPE of one head in place: pairs (i, i + d/2) */
 static void rotate(float *x, const float *cs, int64_t d) {
     int64_t half = d / 2;
@@ -592,6 +601,10 @@ static void attention(Worker *w, int64_t layer) {
         int64_t b = item / kvh, kh = item % kvh, ctx = s->context_lens[b];
         float *q = dec->qkv + b * row + kh * g * d, *k = dec->qkv + b * row + (h + kh) * d, *v = k + kvh * d;
         const float *cs = m->cos_sin + s->positions[b] * d;
+        if (m->q_norm) {
+            for (int64_t j = 0; j < g; j++) head_rms_norm(q + j * d, m->q_norm[layer], d, (float)m->eps);
+            head_rms_norm(k, m->k_norm[layer], d, (float)m->eps);
+        }
         for (int64_t j = 0; j < g; j++) rotate(q + j * d, cs, d);
         rotate(k, cs, d);
         int64_t slot = (kh * m->num_blocks * bs + s->slots[b]) * d;

@@ -48,7 +48,8 @@ class _Model(ctypes.Structure):
         ("eps", ctypes.c_double), ("scale", ctypes.c_double),
         ("embed", F32P), ("final_norm", F32P), ("lm_head", F32P), ("cos_sin", F32P),
     ] + [(n, P(F32P)) for n in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")] + [
-        (n, P(U8P)) for n in ("qkv_q", "o_q", "gate_up_q", "down_q")] + [("lm_head_q", U8P), ("types", P(I64))]
+        (n, P(U8P)) for n in ("qkv_q", "o_q", "gate_up_q", "down_q")] + [("lm_head_q", U8P), ("types", P(I64))] + [
+        (n, P(F32P)) for n in ("q_norm", "k_norm")]
 
 
 class _Step(ctypes.Structure):
@@ -241,6 +242,8 @@ def unsupported_reason(model) -> str | None:
         return "hidden, intermediate and head sizes must be multiples of 8"
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases are not supported"
+    if not model.spec.c_step:
+        return f"{cfg.model_type}'s decoder differs from Llama's (and Qwen3's) shape"
     return cpu_supported()
 
 
@@ -297,6 +300,9 @@ class CpuDecoder:
             down_q=self._bytes_table([u8(t) for t in blocks[3:-1:4]]),
             lm_head_q=u8(blocks[-1]), types=_i64(types),
         )
+        if attn[0].qk_norm == "head":  # Qwen3: each head's RMSNorm before RoPE (with the model's eps)
+            self._model.q_norm = table([hold(a.q_norm.weight.data.float().contiguous()) for a in attn])
+            self._model.k_norm = table([hold(a.k_norm.weight.data.float().contiguous()) for a in attn])
         self.num_threads = num_threads
         self.handle = None
 

@@ -11,7 +11,7 @@ type is named; the decoder asks the spec, never the model type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # architecture -> model_type, for configs that name only one of them
 ARCHITECTURES = {
@@ -62,12 +62,17 @@ class DecoderSpec:
 
     @property
     def plain(self) -> bool:
-        """A Llama-shaped model (the C decode step runs only these)."""
+        """A Llama-shaped model."""
         return (self.norms == "pre" and not self.norm_offset and not self.qk_norm and self.activation == "silu"
                 and not self.fused_checkpoint and self.embed_scale == 1.0 and self.residual_scale == 1.0
                 and self.attn_scale is None and not self.attn_softcap and not self.logit_softcap
                 and self.logit_scale == 1.0 and not any(self.windows) and len(set(self.rope_keys)) <= 1
                 and not any(self.moe_layers) and not self.attn_sinks and not self.o_bias and not self.mla)
+
+    @property
+    def c_step(self) -> bool:
+        """The C decode step (models/cpu_llama.c) runs it: Llama's shape, or Qwen3's per-head q/k norms on it."""
+        return self.qk_norm in ("", "head") and replace(self, qk_norm="").plain
 
 
 def model_type_of(raw: dict) -> str | None:

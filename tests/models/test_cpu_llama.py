@@ -41,14 +41,21 @@ def torch_step(model, caches, ids, pos, slots, tables, ctx):
         return model.compute_logits(hidden)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory, builtin_dir):
-    """Random tiny models: Llama (untied LM head), Qwen2 (QKV biases); 8 query heads over 2 KV heads."""
+    """Random tiny models: Llama (untied LM head), Qwen2 (QKV biases), Qwen3 (per-head q/k norms,
+    head_dim 16 != hidden / heads, tied); 8 query heads over 2 KV heads."""
     path = tmp_path_factory.mktemp(request.param)
-    extra = {"use_sliding_window": False} if request.param == "qwen2" else {}
+    extra = {"qwen2": {"use_sliding_window": False}, "qwen3": {"head_dim": 16, "tie_word_embeddings": True}}
     make_tiny_model(path, builtin_dir, request.param, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                    intermediate_size=96, num_hidden_layers=3, **extra)
-    return load(path)
+                    intermediate_size=96, num_hidden_layers=3, **extra.get(request.param, {}))
+    model = load(path)
+    if request.param == "qwen3":  # norms of ones would hide a q/k norm the C step skipped
+        torch.manual_seed(1)
+        for layer in model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.data.add_(torch.randn_like(norm.weight) * 0.3)
+    return model
 
 
 @pytest.mark.parametrize("batch", [1, 3, 4, 6, 17])
@@ -163,6 +170,32 @@ def test_engine_decodes_in_c_and_matches_transformers(llm, hf_model, tokenizer):
     assert calls and max(calls) == 3
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf_model, p, 24) for p in prompts]
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+def test_engine_decodes_qwen3_in_c_and_matches_transformers(tmp_path, builtin_dir):
+    """A tiny Qwen3 (q/k norms randomized, head_dim != hidden / heads, tied) decodes through the
+    C step in the engine; greedy tokens and first-step log-probabilities are transformers'."""
+    from family_models import check_against_reference, hf_reference, make_family_model, mixed_prompts
+
+    path, hf = make_family_model(tmp_path / "qwen3", builtin_dir, "qwen3")
+    prompts = mixed_prompts()
+    tokens, first = hf_reference(hf, prompts, 16)
+    llm = LLM(str(path), kv_cache_memory=2**24)
+    decoder = llm.engine.executor.cpu_decoder
+    assert decoder is not None
+    calls = []
+    step = decoder.step
+    decoder.step = lambda *args: calls.append(args[0].shape[0]) or step(*args)
+    check_against_reference(llm, ("qwen3", path, prompts, tokens, first), 16)
+    assert calls and max(calls) == len(prompts)
+
+
+def test_families_the_c_step_does_not_run_are_named(tmp_path, builtin_dir):
+    """OLMo 2's all-heads q/k norm (and every other family switch) stays on the torch model."""
+    from family_models import make_family_model
+
+    path, _ = make_family_model(tmp_path / "olmo2", builtin_dir, "olmo2")
+    assert "shape" in unsupported_reason(load(path))
 
 
 # ---- quantized weights: GGUF blocks read as stored, against gguf.quants ---------------------
