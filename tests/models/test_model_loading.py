@@ -251,9 +251,7 @@ def test_converted_dir_is_redone_when_stale(tiny_gguf, tmp_path):
 CONCURRENT_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from gguf_files import tiny_llama as _tiny_llama
-from gguf_files import write_tiny_gguf as _write_tiny_gguf
-from shoal.runtime.models import gguf_convert
+    from shoal.runtime.models import gguf_convert
     real = gguf_convert._convert_into
     def slow(*args, **kwargs):
         print("CONVERTING", flush=True)
