@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tp.add_argument("--lora-adapters", type=int, metavar="N",
                     help="also run the same requests spread over N random LoRA adapters (rank --max-lora-rank, every "
                          "projection) in this run, alternated with the base model; prints both and the ratio")
+    tp.add_argument("--compare-gguf", action="store_true",
+                    help="a GGUF model (the built-in one): the C decode step on float32 panels and on the file's quantized "
+                         "blocks, alternated in this run; prints both, the ratio and the greedy tokens' match rate")
+    tp.add_argument("--rounds", type=int, default=2, help="--compare-gguf: runs of each, alternated (default: 2)")
     tp.add_argument("--json", help="write the results as JSON to this file")
     tp.set_defaults(func=_run("throughput"))
 
@@ -34,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--prefill-len", type=int, default=512)
     lat.add_argument("--iters", type=int, default=3)
     lat.add_argument("--compare-hf", action="store_true")
+    lat.add_argument("--compare-llama-cpp", action="store_true",
+                     help="a GGUF model: also llama.cpp (llama-cpp-python, installed apart) on the same file and thread count")
+    lat.add_argument("--compare-gguf", action="store_true",
+                     help="a GGUF model: batch-1 TTFT and decode on float32 panels and on the file's quantized blocks, alternated")
     lat.add_argument("--json")
     lat.set_defaults(func=_run("latency"))
 

@@ -34,9 +34,10 @@ def _engine(args):
     return LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
 
 
-def run_engine(llm, items, structured: StructuredOutputsParams | None = None, loras: list[str] | None = None) -> dict:
+def run_engine(llm, items, structured: StructuredOutputsParams | None = None, loras: list[str] | None = None,
+               tokens: dict | None = None) -> dict:
     """Submit every item at once and step until all finish; returns figures. `loras`: request i
-    runs with adapter loras[i % len(loras)]."""
+    runs with adapter loras[i % len(loras)]; `tokens`: filled with each request's output token ids."""
     engine = llm.engine
     engine.kv.reset_prefix_cache()  # a second run of the same prompts starts as cold as the first
     if structured is not None:
@@ -53,6 +54,8 @@ def run_engine(llm, items, structured: StructuredOutputsParams | None = None, lo
         for out in engine.step():
             if out.finished:
                 outputs += len(out.outputs[0].token_ids)
+                if tokens is not None:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
         peak_usage = max(peak_usage, engine.pool.usage())
         a, w = engine.scheduler.fragmentation()
@@ -132,8 +135,13 @@ def throughput(args) -> int:
     items = workloads.load(args.workload, args.num_prompts, args.workload_seed, llm.tokenizer)
     print(f"workload {args.workload}: {len(items)} requests, {sum(len(i.prompt) for i in items)} prompt tokens, "
           f"{sum(i.output_len for i in items)} output tokens")
-    if getattr(args, "lora_adapters", None):
-        result = lora_cost(llm, items, args.lora_adapters)
+    if getattr(args, "lora_adapters", None) or getattr(args, "compare_gguf", False):
+        if args.lora_adapters:
+            result = lora_cost(llm, items, args.lora_adapters)
+        else:
+            llms = gguf_engines(args, llm)
+            result = gguf_cost(llms, items, args.rounds)
+            llms["gguf" if llms["float32"] is llm else "float32"].engine.shutdown()
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
@@ -200,6 +208,66 @@ def lora_cost(llm, items, count: int, rounds: int = 2) -> dict:
             "rank": engine.config.max_lora_rank}
 
 
+def gguf_engines(args, llm) -> dict:
+    """{"float32": an engine whose C decode step reads float32 panels, "gguf": one reading the
+    GGUF file's quantized blocks (--quantization gguf)}: `llm` and a second engine on the same
+    model (the float32 torch model prefills for both). Two engines, since the plain weights a
+    decoder is built from are dropped once oneDNN packs them."""
+    from shoal.runtime.models.gguf_convert import gguf_source
+
+    if getattr(llm.engine.executor, "cpu_decoder", None) is None:
+        raise SystemExit("--compare-gguf: this engine runs no C decode step (CPU, single process, float32)")
+    if gguf_source(llm.engine.model_dir) is None:
+        raise SystemExit("--compare-gguf needs a GGUF model (a .gguf file or builtin://NAME)")
+    mine = "gguf" if llm.engine.config.quantization == "gguf" else "float32"
+    args.quantization = None if mine == "gguf" else "gguf"
+    other = _engine(args)
+    return {mine: llm, ("float32" if mine == "gguf" else "gguf"): other}
+
+
+def gguf_cost(llms: dict, items, rounds: int = 2) -> dict:
+    """The workload on the C decode step's float32 panels and on the GGUF's quantized blocks,
+    alternated `rounds` times in this run: the best of each, their ratio, and how many greedy
+    tokens of the quantized run equal the float32 run's, position by position."""
+    runs, tokens = {"float32": [], "gguf": []}, {"float32": {}, "gguf": {}}
+    for _ in range(rounds):
+        for kind in runs:
+            runs[kind].append(run_engine(llms[kind], items, tokens=tokens[kind]))
+            r = runs[kind][-1]
+            print(f"{kind:8} {r['output_tokens_per_s']:8.1f} output tok/s ({r['seconds']:.1f} s, {r['steps']} steps)", flush=True)
+    best = {kind: max(r["output_tokens_per_s"] for r in rs) for kind, rs in runs.items()}
+    ref, quant = tokens["float32"], tokens["gguf"]
+    pairs = [(a, b) for rid in ref for a, b in zip(ref[rid], quant[rid])]
+    prefix = [next((i for i, (a, b) in enumerate(zip(ref[r], quant[r])) if a != b), len(ref[r])) for r in ref]
+    result = {"runs": runs, "best": best, "ratio": best["gguf"] / best["float32"],
+              "greedy_match_rate": sum(a == b for a, b in pairs) / len(pairs),
+              "identical_requests": sum(n == len(ref[r]) for n, r in zip(prefix, ref)),
+              "mean_identical_prefix": statistics.mean(prefix), "requests": len(items),
+              "quantized_types": sorted(set(llms["gguf"].engine.executor.cpu_decoder.quantized_types))}
+    print(f"gguf blocks (types {result['quantized_types']}): {result['ratio']:.3f}x the float32 path's throughput; greedy tokens "
+          f"equal position by position {result['greedy_match_rate']:.1%}, {result['identical_requests']}/{len(items)} "
+          f"requests identical, first {result['mean_identical_prefix']:.1f} tokens identical on average")
+    return result
+
+
+def gguf_latency(llms: dict, fresh, args) -> dict:
+    """Batch-1 TTFT and decode tok/s on the float32 panels and on the GGUF's quantized blocks,
+    alternated request by request (`iters` each, same prompts): medians and their ratio."""
+    runs = {"float32": [], "gguf": []}
+    for _ in range(args.iters):
+        prompt = fresh(args.input_len)
+        for kind in runs:
+            runs[kind].append(_one(llms[kind].engine, prompt, args.output_len))
+    result = {kind: {"ttft_s": statistics.median(r[0] for r in rs), "decode_tokens_per_s": statistics.median(r[1] for r in rs)}
+              for kind, rs in runs.items()}
+    result["decode_ratio"] = result["gguf"]["decode_tokens_per_s"] / result["float32"]["decode_tokens_per_s"]
+    for kind in runs:
+        r = result[kind]
+        print(f"{kind:8} TTFT {r['ttft_s'] * 1000:.0f} ms ({args.input_len}-token prompt), decode {r['decode_tokens_per_s']:.1f} tok/s")
+    print(f"gguf blocks: {result['decode_ratio']:.2f}x the float32 path's batch-1 decode tok/s (alternated, {args.iters} each)")
+    return result
+
+
 def _one(engine, prompt, output_len) -> tuple[float, float]:
     """(time to first token, decode tokens/s after it) for one request alone."""
     params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0.0)
@@ -220,8 +288,30 @@ def latency(args) -> int:
     engine = llm.engine
     rng = np.random.default_rng(0)
     fresh = lambda n: rng.integers(1000, 40000, n).tolist()  # noqa: E731  (no prefix-cache hits)
-    runs = [_one(engine, fresh(args.input_len), args.output_len) for _ in range(args.iters)]
-    prefill = [_one(engine, fresh(args.prefill_len), 1)[0] for _ in range(args.iters)]
+    if getattr(args, "compare_gguf", False):
+        llms = gguf_engines(args, llm)
+        result = gguf_latency(llms, fresh, args)
+        llms["gguf" if llms["float32"] is llm else "float32"].engine.shutdown()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        engine.shutdown()
+        return 0
+    # --compare-llama-cpp: llama.cpp's request after each of ours (the same prompts), so load drifts hit both
+    lc = LlamaCpp(engine, max(args.input_len + args.output_len, args.prefill_len)) if getattr(args, "compare_llama_cpp", False) else None
+    if lc is not None:
+        lc.request(fresh(16), 4)  # warm-up
+    runs, prefill, lc_runs, lc_prefill = [], [], [], []
+    for _ in range(args.iters):
+        prompt = fresh(args.input_len)
+        runs.append(_one(engine, prompt, args.output_len))
+        if lc is not None:
+            lc_runs.append(lc.request(prompt, args.output_len))
+    for _ in range(args.iters):
+        prompt = fresh(args.prefill_len)
+        prefill.append(_one(engine, prompt, 1)[0])
+        if lc is not None:
+            lc_prefill.append(lc.request(prompt, 1)[0])
     result = {
         "ttft_s": statistics.median(r[0] for r in runs),
         "decode_tokens_per_s": statistics.median(r[1] for r in runs),
@@ -230,6 +320,15 @@ def latency(args) -> int:
     print(f"shoal:        TTFT {result['ttft_s'] * 1000:.0f} ms ({args.input_len}-token prompt), "
           f"decode {result['decode_tokens_per_s']:.1f} tok/s, prefill {result['prefill_tokens_per_s']:.0f} tok/s "
           f"({args.prefill_len} tokens)")
+    if lc is not None:
+        theirs = result["llama_cpp"] = {
+            "ttft_s": statistics.median(r[0] for r in lc_runs), "decode_tokens_per_s": statistics.median(r[1] for r in lc_runs),
+            "prefill_tokens_per_s": args.prefill_len / statistics.median(lc_prefill), "threads": lc.threads, "gguf": str(lc.path)}
+        print(f"llama.cpp:    TTFT {theirs['ttft_s'] * 1000:.0f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s, "
+              f"prefill {theirs['prefill_tokens_per_s']:.0f} tok/s ({lc.threads} threads, {lc.path.name})")
+        print(f"shoal / llama.cpp: decode {result['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x, "
+              f"prefill {result['prefill_tokens_per_s'] / theirs['prefill_tokens_per_s']:.2f}x, "
+              f"TTFT {result['ttft_s'] / theirs['ttft_s']:.2f}x")
     if args.compare_hf:
         result["hf"] = _hf_latency(engine.model_dir, fresh(args.input_len), args.output_len)
         h = result["hf"]
@@ -239,6 +338,37 @@ def latency(args) -> int:
             json.dump(result, f, indent=2)
     engine.shutdown()
     return 0
+
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python, not a dependency: `pip install llama-cpp-python` builds it from
+    source) on the GGUF file an engine's model was converted from, at the engine's thread count."""
+
+    def __init__(self, engine, max_len: int):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise SystemExit("--compare-llama-cpp needs llama-cpp-python (pip install llama-cpp-python)") from None
+        from shoal.runtime.models.gguf_convert import gguf_source
+
+        self.path = gguf_source(engine.model_dir)
+        if self.path is None:
+            raise SystemExit("--compare-llama-cpp needs a GGUF model (a .gguf file or builtin://NAME)")
+        self.threads = torch.get_num_threads()  # what the engine set from --num-threads or the CPUs it may use
+        self.model = Llama(str(self.path), n_threads=self.threads, n_threads_batch=self.threads, n_ctx=max_len + 16,
+                           n_batch=512, verbose=False)
+
+    def request(self, prompt, output_len) -> tuple[float, float]:
+        """(time to first token, decode tokens/s after it) for one greedy request, as _one."""
+        self.model.reset()  # with fresh ids, nothing of the last prompt is reused
+        start = time.perf_counter()
+        first = last = None
+        for i, _ in enumerate(self.model.generate(prompt, temp=0.0, top_k=1, reset=True)):
+            last = time.perf_counter()
+            first = first or last
+            if i + 1 == output_len:
+                break
+        return first - start, (output_len - 1) / (last - first) if output_len > 1 else float("nan")
 
 
 def _hf_latency(model_dir, prompt, output_len) -> dict:

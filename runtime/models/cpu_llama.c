@@ -42,8 +42,9 @@
 #define MAX_BATCH 256
 #define MAX_THREADS 64
 #define QUANT_DOT_MAX_BATCH 4 /* larger batches run float tiles (see above); measured: 8 lost to them */
-#define QK 32                 /* weights per block of every supported type */
-enum { TYPE_F32_PANELS = 0, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's numbers */
+#define QK 32                 /* weights per block of Q4_0, Q4_1, Q8_0; per input block (any type) */
+#define QK_K 256              /* weights per super-block of the K-quants */
+enum { TYPE_F32_PANELS = 0, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14 }; /* ggml's numbers */
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
@@ -104,6 +105,7 @@ struct Decoder {
     /* activations, [B, ...] each */
     float *resid, *normed, *qkv, *attn, *act, *out;
     void *xq; /* the input rows of a quantized product as 8-bit blocks: [QUANT_DOT_MAX_BATCH, max K / 32] */
+    int scalar_kquants; /* K-quant dot products by the portable loop (the reference the AVX2 one is tested against) */
     Worker workers[MAX_THREADS];
     const Step *step;
 };
@@ -306,9 +308,25 @@ typedef struct { uint16_t d; uint8_t qs[QK / 2]; } BlockQ4_0;           /* w = d
 typedef struct { uint16_t d, m; uint8_t qs[QK / 2]; } BlockQ4_1;        /* w = d q + m */
 typedef struct { uint16_t d; int8_t qs[QK]; } BlockQ8_0;                /* w = d q */
 typedef struct { float d, s; int8_t qs[QK]; } BlockQ8X;                 /* an input block: x = d q, s = d sum(q) */
+/* K-quants (llama.cpp's ggml-common.h): 256 weights a super-block, a 6-bit scale (and min) per 32
+ * (Q4_K, Q5_K: w = d sc q - dmin m, q in 0..15 or 0..31) or an 8-bit scale per 16 (Q6_K: w = d sc q,
+ * q in -32..31). Q4_K's 4-bit values go 64 at a time: 32 bytes, low nibbles the first 32, high the next. */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } BlockQ4_K;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; } BlockQ5_K; /* bit 4 of value 32 j + l: bit j of qh[l] */
+typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; } BlockQ6_K;
 
-static inline int64_t block_bytes(int64_t type) {
-    return type == TYPE_Q4_0 ? sizeof(BlockQ4_0) : type == TYPE_Q4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ8_0);
+static inline int is_kquant(int64_t type) { return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K; }
+
+/* bytes of one row of K weights */
+static inline int64_t row_bytes(int64_t type, int64_t K) {
+    switch (type) {
+    case TYPE_Q4_0: return K / QK * sizeof(BlockQ4_0);
+    case TYPE_Q4_1: return K / QK * sizeof(BlockQ4_1);
+    case TYPE_Q8_0: return K / QK * sizeof(BlockQ8_0);
+    case TYPE_Q4_K: return K / QK_K * sizeof(BlockQ4_K);
+    case TYPE_Q5_K: return K / QK_K * sizeof(BlockQ5_K);
+    default: return K / QK_K * sizeof(BlockQ6_K);
+    }
 }
 
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -343,8 +361,139 @@ static void quantize_row(const float *x, int64_t K, BlockQ8X *out) {
     }
 }
 
-/* one weight row of nb blocks . one quantized input row */
-static float dot_row(int64_t type, const uint8_t *row, const BlockQ8X *x, int64_t nb) {
+/* ---- K-quants ---- */
+
+/* sub-block j's 6-bit scale and min of a Q4_K/Q5_K super-block (llama.cpp's get_scale_min_k4) */
+static inline void scale_min_k4(const uint8_t *q, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One K-quant super-block as integers: w[n] = scale[n / 16] q[n] - min[n / 16] (the order and
+ * float products of gguf.quants' dequantizers). The portable path: dequantization, and the
+ * scalar dot product. */
+static void unpack_kquant(int64_t type, const uint8_t *block, int8_t q[QK_K], float scale[16], float min[16]) {
+    if (type == TYPE_Q6_K) {
+        const BlockQ6_K *b = (const BlockQ6_K *)block;
+        float d = half_to_float(b->d);
+        for (int g = 0; g < 16; g++) scale[g] = d * (float)b->scales[g], min[g] = 0.0f;
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++) {
+                    int lo = (b->ql[64 * h + 32 * (s & 1) + l] >> (4 * (s >> 1))) & 0xF, hi = (b->qh[32 * h + l] >> (2 * s)) & 3;
+                    q[128 * h + 32 * s + l] = (int8_t)((lo | hi << 4) - 32);
+                }
+        return;
+    }
+    const BlockQ4_K *b4 = (const BlockQ4_K *)block; /* Q5_K starts the same */
+    const BlockQ5_K *b5 = (const BlockQ5_K *)block;
+    const uint8_t *qs = type == TYPE_Q4_K ? b4->qs : b5->qs;
+    float d = half_to_float(b4->d), dmin = half_to_float(b4->dmin);
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(b4->scales, j, &sc, &m);
+        scale[2 * j] = scale[2 * j + 1] = d * (float)sc;
+        min[2 * j] = min[2 * j + 1] = dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int v = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0xF;
+            if (type == TYPE_Q5_K) v |= ((b5->qh[l] >> j) & 1) << 4;
+            q[32 * j + l] = (int8_t)v;
+        }
+    }
+}
+
+static int64_t kquant_block_bytes(int64_t type) { return row_bytes(type, QK_K); }
+
+/* one K-quant row of K weights . one quantized input row, in plain C (any CPU) */
+static float dot_row_kquant_scalar(int64_t type, const uint8_t *row, const BlockQ8X *x, int64_t K) {
+    int8_t q[QK_K];
+    float scale[16], min[16], sum = 0.0f;
+    for (int64_t i = 0; i < K / QK_K; i++) {
+        unpack_kquant(type, row + i * kquant_block_bytes(type), q, scale, min);
+        for (int g = 0; g < 16; g++) {
+            const BlockQ8X *xb = x + 8 * i + g / 2;
+            int dot = 0, xs = 0;
+            for (int l = 16 * (g & 1); l < 16 * (g & 1) + 16; l++) dot += q[16 * g + l - 16 * (g & 1)] * xb->qs[l], xs += xb->qs[l];
+            sum += xb->d * (scale[g] * (float)dot - min[g] * (float)xs);
+        }
+    }
+    return sum;
+}
+
+/* Q4_K / Q5_K row . input row, AVX2: each sub-block of 32 is one unsigned-by-signed byte product
+ * (maddubs) scaled by its weight scale times the input block's; the mins come off through the
+ * input blocks' sums. */
+static float dot_row_q45k(int64_t type, const uint8_t *row, const BlockQ8X *x, int64_t K) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    float mins = 0.0f;
+    int64_t stride = kquant_block_bytes(type);
+    for (int64_t i = 0; i < K / QK_K; i++) {
+        const BlockQ4_K *b4 = (const BlockQ4_K *)(row + i * stride);
+        const BlockQ5_K *b5 = (const BlockQ5_K *)b4;
+        const uint8_t *qs = type == TYPE_Q4_K ? b4->qs : b5->qs;
+        const BlockQ8X *xb = x + 8 * i;
+        float d = half_to_float(b4->d), dmin = half_to_float(b4->dmin);
+        __m256i qh = type == TYPE_Q5_K ? _mm256_loadu_si256((const __m256i *)b5->qh) : _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+            int sc0, m0, sc1, m1;
+            scale_min_k4(b4->scales, j, &sc0, &m0);
+            scale_min_k4(b4->scales, j + 1, &sc1, &m1);
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 16 * j));
+            __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            if (type == TYPE_Q5_K) { /* bit j (j + 1) of each qh byte is bit 4 of the value */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j + 1), one), 4));
+            }
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc0 * xb[j].d), dot_bytes(lo, _mm256_loadu_si256((const __m256i *)xb[j].qs)), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc1 * xb[j + 1].d), dot_bytes(hi, _mm256_loadu_si256((const __m256i *)xb[j + 1].qs)), acc1);
+            mins += dmin * ((float)m0 * xb[j].s + (float)m1 * xb[j + 1].s);
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) - mins;
+}
+
+/* Q6_K row . input row, AVX2: the signed 6-bit values times the input bytes (|w| times x with
+ * w's sign), pairs summed against the two 16-value scales of the sub-block (madd), then one
+ * float scale per input block. */
+static float dot_row_q6k(const uint8_t *row, const BlockQ8X *x, int64_t K) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    for (int64_t i = 0; i < K / QK_K; i++) {
+        const BlockQ6_K *b = (const BlockQ6_K *)row + i;
+        float d = half_to_float(b->d);
+        for (int h = 0; h < 2; h++) {
+            __m256i ql0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
+            __m256i ql1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+            for (int s = 0; s < 4; s++) {
+                __m256i nib = s & 1 ? ql1 : ql0;
+                nib = _mm256_and_si256(s >> 1 ? _mm256_srli_epi16(nib, 4) : nib, low4);
+                __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), three), 4);
+                __m256i w = _mm256_sub_epi8(_mm256_or_si256(nib, high), bias);
+                const BlockQ8X *xb = x + 8 * i + 4 * h + s;
+                const int8_t *sc = b->scales + 8 * h + 2 * s;
+                __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xb->qs), w));
+                __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0])); /* values 0-15, 16-31 */
+                __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scales));
+                if (s & 1) acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), p, acc1);
+                else acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), p, acc0);
+            }
+        }
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+/* one weight row of nb blocks of 32 . one quantized input row */
+static float dot_row(int64_t type, const uint8_t *row, const BlockQ8X *x, int64_t nb, int scalar_kquants) {
+    if (is_kquant(type)) {
+        if (scalar_kquants) return dot_row_kquant_scalar(type, row, x, nb * QK);
+        return type == TYPE_Q6_K ? dot_row_q6k(row, x, nb * QK) : dot_row_q45k(type, row, x, nb * QK);
+    }
     __m256 acc = _mm256_setzero_ps();
     float extra = 0.0f;
     if (type == TYPE_Q4_1) {
@@ -376,6 +525,15 @@ static float dot_row(int64_t type, const uint8_t *row, const BlockQ8X *x, int64_
 
 /* row[0..K) as floats at out[0], out[stride], out[2 stride], ... */
 static void dequantize_row(int64_t type, const uint8_t *row, int64_t K, float *out, int64_t stride) {
+    if (is_kquant(type)) {
+        int8_t q[QK_K];
+        float scale[16], min[16];
+        for (int64_t i = 0; i < K / QK_K; i++) {
+            unpack_kquant(type, row + i * kquant_block_bytes(type), q, scale, min);
+            for (int n = 0; n < QK_K; n++) out[(i * QK_K + n) * stride] = scale[n / 16] * (float)q[n] - min[n / 16];
+        }
+        return;
+    }
     for (int64_t i = 0; i < K / QK; i++) {
         float *o = out + i * QK * stride;
         if (type == TYPE_Q8_0) {
@@ -401,11 +559,12 @@ static void dequantize_row(int64_t type, const uint8_t *row, int64_t K, float *o
  * rows dequantized into a [K, 16] float panel (the layout of two 8-row panels side by side). */
 static void quant_pair(Worker *w, const Mat *W, int64_t pair, int64_t N, const float *x, const BlockQ8X *xq, int64_t B,
                        int64_t K, float (*out)[16]) {
-    int64_t rows = N - 16 * pair < 16 ? N - 16 * pair : 16, row_bytes = K / QK * block_bytes(W->type);
-    const uint8_t *first = W->blocks + 16 * pair * row_bytes;
+    int64_t rows = N - 16 * pair < 16 ? N - 16 * pair : 16, bytes = row_bytes(W->type, K);
+    const uint8_t *first = W->blocks + 16 * pair * bytes;
     if (B <= QUANT_DOT_MAX_BATCH) {
         for (int64_t j = 0; j < rows; j++)
-            for (int64_t b = 0; b < B; b++) out[b][j] = dot_row(W->type, first + j * row_bytes, xq + b * (K / QK), K / QK);
+            for (int64_t b = 0; b < B; b++)
+                out[b][j] = dot_row(W->type, first + j * bytes, xq + b * (K / QK), K / QK, w->dec->scalar_kquants);
         return;
     }
     if (w->dequant_cap < 16 * K) {
@@ -415,7 +574,7 @@ static void quant_pair(Worker *w, const Mat *W, int64_t pair, int64_t N, const f
     }
     float *panel = w->dequant;
     for (int64_t j = 0; j < 16; j++) {
-        if (j < rows) dequantize_row(W->type, first + j * row_bytes, K, panel + j, 16);
+        if (j < rows) dequantize_row(W->type, first + j * bytes, K, panel + j, 16);
         else for (int64_t k = 0; k < K; k++) panel[16 * k + j] = 0.0f;
     }
     tile_rows(panel, panel + 8, 16, x, B, K, rows > 8 ? 2 : 1, out);
@@ -713,10 +872,14 @@ int64_t shoal_decoder_step(Decoder *d, const Step *s) {
 }
 
 /* y [B, N] = x [B, K] times a quantized W [N, K] (rows of GGUF blocks of `type`), on one
- * thread, through the step's own kernels: the tests check them against gguf.quants. */
-int64_t shoal_quantized_matmul(int64_t type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t B, float *y) {
-    if ((type != TYPE_Q4_0 && type != TYPE_Q4_1 && type != TYPE_Q8_0) || K % QK || B < 1 || B > MAX_BATCH) return -1;
+ * thread, through the step's own kernels: the tests check them against gguf.quants.
+ * scalar_kquants: K-quant dot products by the portable loop instead of AVX2. */
+int64_t shoal_quantized_matmul(int64_t type, const uint8_t *blocks, int64_t N, int64_t K, const float *x, int64_t B, float *y,
+                               int64_t scalar_kquants) {
+    if ((type != TYPE_Q4_0 && type != TYPE_Q4_1 && type != TYPE_Q8_0 && !is_kquant(type)) || K % (is_kquant(type) ? QK_K : QK)
+        || B < 1 || B > MAX_BATCH) return -1;
     Decoder *d = calloc(1, sizeof(Decoder));
+    d->scalar_kquants = (int)scalar_kquants;
     Worker *w = &d->workers[0];
     w->dec = d, w->tid = 0, w->num_threads = 1;
     d->xq = calloc(QUANT_DOT_MAX_BATCH * (K / QK), sizeof(BlockQ8X));

@@ -38,8 +38,9 @@ P = ctypes.POINTER
 F32P = P(ctypes.c_float)
 I64 = ctypes.c_int64
 U8P = P(ctypes.c_uint8)
-# GGUF block types the C step reads as they are (ggml's numbers) -> bytes per block of 32 weights
-QUANT_TYPES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0
+# GGUF block types the C step reads as they are (ggml's numbers) -> (weights, bytes) per block
+QUANT_TYPES = {2: (32, 18), 3: (32, 20), 8: (32, 34),  # Q4_0, Q4_1, Q8_0
+               12: (256, 144), 13: (256, 176), 14: (256, 210)}  # Q4_K, Q5_K, Q6_K
 
 
 class _Model(ctypes.Structure):
@@ -116,7 +117,7 @@ def load_library() -> ctypes.CDLL:
         lib.shoal_max_batch.restype = I64
         lib.shoal_silu_and_mul.argtypes = [F32P, F32P, I64, I64, I64]
         lib.shoal_quantized_matmul.restype = I64
-        lib.shoal_quantized_matmul.argtypes = [I64, U8P, I64, I64, F32P, I64, F32P]
+        lib.shoal_quantized_matmul.argtypes = [I64, U8P, I64, I64, F32P, I64, F32P, I64]
         lib.shoal_sample_top_p.restype = I64
         lib.shoal_sample_top_p.argtypes = [F32P, I64, I64, F32P, F32P, P(ctypes.c_double), P(I64), I64]
         lib.shoal_prefill_attention.restype = I64
@@ -190,14 +191,17 @@ def sample_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     return tokens
 
 
-def quantized_matmul(qtype: int, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def quantized_matmul(qtype: int, rows: torch.Tensor, x: torch.Tensor, scalar: bool = False) -> torch.Tensor:
     """x [B, K] float32 times the quantized rows [N, bytes a row] of GGUF type `qtype`, transposed:
-    [B, N], by the decode step's kernels (batches up to 4 in 8-bit integer dot products)."""
+    [B, N], by the decode step's kernels (batches up to 4 in 8-bit integer dot products; `scalar`:
+    the K-quants' portable loop instead of their AVX2 kernels)."""
     lib = load_library()
     rows, x = rows.contiguous(), x.float().contiguous()
     y = torch.empty(x.shape[0], rows.shape[0], dtype=torch.float32)
-    K = rows.shape[1] // QUANT_TYPES[qtype] * 32
-    if lib.shoal_quantized_matmul(qtype, ctypes.cast(rows.data_ptr(), U8P), rows.shape[0], K, _ptr(x), x.shape[0], _ptr(y)):
+    weights, nbytes = QUANT_TYPES[qtype]
+    K = rows.shape[1] // nbytes * weights
+    if lib.shoal_quantized_matmul(qtype, ctypes.cast(rows.data_ptr(), U8P), rows.shape[0], K, _ptr(x), x.shape[0], _ptr(y),
+                                  int(scalar)):
         raise ValueError("shoal_quantized_matmul: bad arguments")
     return y
 

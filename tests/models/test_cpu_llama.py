@@ -14,6 +14,7 @@ from shoal.runtime.models.cpu_llama import CpuDecoder, cpu_supported, unsupporte
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.models.decoder import DecoderForCausalLM
 from shoal.runtime.models.loader import iter_weights, load_config
+import gguf_files
 from engine_helpers import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_supported() is not None, reason=f"C decode step: {cpu_supported()}")
@@ -238,6 +239,53 @@ def test_quantized_products_match_gguf_dequantized(qtype, batch):
         assert float(err.max()) > 0  # the 8-bit path did run
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_reference_kquantizer_writes_the_published_layout(qtype):
+    """tests/gguf_files.py's K-quant blocks, read back by gguf.quants: the weights within one
+    quantization step (the layout is right, or the values would land elsewhere)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    from gguf_files import quantize
+
+    w = torch.randn(8, 512, generator=torch.Generator().manual_seed(0)).numpy()
+    back = gguf.quants.dequantize(quantize(w, qtype), GGMLQuantizationType[qtype])
+    levels = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 31}[qtype]  # Q6_K: 31 steps a side of zero
+    span = w.reshape(-1, 16).max(-1) - w.reshape(-1, 16).min(-1) if qtype != "Q6_K" else abs(w).reshape(-1, 16).max(-1)
+    step = span.max() / levels  # loose: the largest sub-block's step, scales rounded to 6 or 8 bits
+    assert abs(back - w).max() < step
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("batch", [1, 3, 5, 17])
+def test_kquant_products_match_gguf_dequantized(qtype, batch):
+    """Q4_K/Q5_K/Q6_K rows (super-blocks of 256) through the decode step's kernels against
+    gguf.quants' dequantization and a float64 matmul: batches above 4 on dequantized float
+    panels (float32 sums), small batches on 8-bit inputs within the bound their rounding allows,
+    by the AVX2 kernels and by the portable loop alike (the two agree to float rounding)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    from gguf_files import TYPES, quantize
+    from shoal.runtime.models.cpu_llama import quantized_matmul
+
+    gen = torch.Generator().manual_seed(batch)
+    w = torch.randn(40, 512, generator=gen) * torch.rand(40, 1, generator=gen)  # rows of different ranges
+    w[3, :256] = 0  # a zero super-block (scales 0)
+    blocks = torch.from_numpy(quantize(w.numpy(), qtype))
+    w_ref = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), GGMLQuantizationType[qtype]).copy())
+    x = torch.randn(batch, 512, generator=gen)
+    expected = x.double() @ w_ref.double().T
+    fast, portable = (quantized_matmul(TYPES[qtype], blocks, x, scalar=s) for s in (False, True))
+    torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-4)
+    if batch > 4:
+        torch.testing.assert_close(fast.double(), expected, rtol=1e-5, atol=1e-4)
+    else:
+        err = (fast.double() - expected).abs()
+        assert bool((err <= _activation_bound(x, w_ref).double()).all()), float(err.max())
+        assert float(err.max()) > 0  # the 8-bit path did run
+
+
 def _quantize_model(model_dir, types: dict[str, str]):
     """The tiny model's linear weights (and LM head) as GGUF blocks of the given types, and the
     torch model loaded with exactly the weights those blocks hold."""
@@ -249,7 +297,7 @@ def _quantize_model(model_dir, types: dict[str, str]):
         kind = next((k for k in types if name.endswith(k + ".weight")), None)
         if kind is not None:
             t = GGMLQuantizationType[types[kind]]
-            rows = gguf.quants.quantize(tensor.float().numpy(), t)
+            rows = gguf_files.quantize(tensor.float().numpy(), types[kind])
             blocks[name] = (int(t), rows)
             tensor = torch.from_numpy(gguf.quants.dequantize(rows, t).copy())
         weights.append((name, tensor))
@@ -299,6 +347,79 @@ def test_decoder_on_quantized_blocks_matches_the_dequantized_model(quantized_tin
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
             b.copy_(a)  # the next step starts from identical caches
         ctx = ctx + 1
+
+
+@pytest.fixture(scope="module")
+def kquant_tiny(tmp_path_factory, builtin_dir):
+    """A tiny model (hidden 256: rows of whole K-quant super-blocks) with Q4_K, Q5_K, Q6_K matrices."""
+    path = make_tiny_model(tmp_path_factory.mktemp("kquant"), builtin_dir, hidden_size=256, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=512, num_hidden_layers=2, initializer_range=0.05)
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q5_K", "gate_proj": "Q4_K",
+             "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K"}
+    return _quantize_model(path, types)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decoder_on_kquant_blocks_matches_the_dequantized_model(kquant_tiny, batch, threads):
+    """A decode step reading Q4_K/Q5_K/Q6_K blocks against the torch model holding the same
+    weights dequantized by gguf.quants: the same logits for a batch of 8 (float panels), and
+    the top tokens' log-probabilities within 0.1 where the inputs are rounded to 8 bits (batches <= 4)."""
+    model, blocks = kquant_tiny
+    decoder = CpuDecoder.create(model, num_threads=threads, quantized=blocks)
+    assert decoder.quantized_types == [12, 13, 12, 14] * 2 + [14]
+    ours, theirs = new_caches(model, 16), new_caches(model, 16)
+    decoder.attach(ours)
+    tables = torch.randperm(NUM_BLOCKS)[: batch * 4].view(batch, 4)
+    ctx = torch.randint(1, 60, (batch,))
+    for _ in range(3):
+        pos = ctx - 1
+        slots = tables.gather(1, (pos // 16)[:, None])[:, 0] * 16 + pos % 16
+        ids = torch.randint(0, model.cfg.vocab_size, (batch,))
+        expected = torch_step(model, theirs, ids, pos, slots, tables, ctx)
+        got = decoder.step(ids, pos, slots, tables, ctx)
+        if batch > 4:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-5 * float(expected.abs().max()))
+        else:
+            diff = (got.log_softmax(-1) - expected.log_softmax(-1)).abs()
+            top = expected.topk(20, dim=-1).indices  # 8-bit inputs through 2 layers of K 256-512, vocab 49k:
+            assert 0 < float(diff.gather(1, top).max()) < 0.1  # measured up to 0.05
+        for a, b in zip(ours, theirs):
+            b.copy_(a)  # the next step starts from identical caches
+        ctx = ctx + 1
+
+
+def test_engine_serves_a_kquant_gguf_from_its_blocks(tmp_path, monkeypatch):
+    """A Llama GGUF whose linear weights are Q4_K, Q5_K and Q6_K (q/k rows permuted as llama.cpp
+    writes them), served with --quantization gguf against the same file on the float32 path
+    (the weights gguf.quants dequantizes): the C step reads the blocks of every matrix, and the
+    greedy tokens' log-probabilities stay within 0.1 of the float path's while the tokens agree."""
+    from gguf_files import tiny_llama, write_tiny_gguf
+
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
+    model = tiny_llama(hidden_size=256, intermediate_size=512, seed=3)
+    path = tmp_path / "tiny-kquants.gguf"
+    write_tiny_gguf(path, model, {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_K",
+                                  "gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q6_K", "lm_head": "Q6_K"})
+    prompts = [[1, 50, 60, 70], [1, 100, 7, 259, 261], [1, 3]]
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=0)
+    runs = {}
+    for quantization in (None, "gguf"):
+        llm = LLM(str(path), quantization=quantization, kv_cache_memory=2**24)
+        decoder = llm.engine.executor.cpu_decoder
+        # q and k are Q4_K but v is Q6_K: the fused qkv matrix stays float (one type a matrix)
+        expected_types = [0, 13, 12, 14] * 2 + [14] if quantization else [0] * 9
+        assert decoder is not None and decoder.quantized_types == expected_types
+        runs[quantization] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        llm.engine.shutdown()
+    compared = 0
+    for fp32, quant in zip(runs[None], runs["gguf"]):
+        for a, b, la, lb in zip(fp32.token_ids, quant.token_ids, fp32.logprobs, quant.logprobs):
+            if a != b:
+                break
+            assert abs(la[a] - lb[b]) < 0.1
+            compared += 1
+    assert compared >= 12
 
 
 def test_engine_serves_the_builtin_model_from_its_q4_1_blocks(builtin_dir, tokenizer):

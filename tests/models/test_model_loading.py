@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import tiny_llama as _tiny_llama
+from gguf_files import write_tiny_gguf as _write_tiny_gguf
 from shoal.runtime.models import gguf_convert
 from shoal.runtime.models.gguf_convert import convert_gguf
 from shoal.runtime.models.loader import (
@@ -96,94 +98,6 @@ def gguf_reference(builtin_dir):
 @pytest.fixture(scope="session")
 def gguf_reference_model(gguf_reference):
     return gguf_reference[0]
-
-
-def _tiny_llama(vocab_size=262, tie=False, seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms are ones at init; make them matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
-TINY_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-
-
-def _write_tiny_gguf(path: Path, model) -> None:
-    """Write ``model`` the way llama.cpp's converter would (Q/K rows permuted), embeddings in Q8_0."""
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    cfg = model.config
-    n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-
-    def permute(w, heads):  # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    byte_tokens = list(bytes_to_unicode().values())
-    merges = ["Ġ t", "h e", "Ġt he"]
-    tokens = specials + byte_tokens + ["Ġt", "he", "Ġthe"]
-    assert len(tokens) == cfg.vocab_size
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(cfg.hidden_size // n_head)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TINY_TEMPLATE)
-
-    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-    emb = sd["model.embed_tokens.weight"]
-    q8 = gguf.quants.quantize(emb, gguf.GGMLQuantizationType.Q8_0)
-    with torch.no_grad():  # the reference holds what the file holds
-        model.model.embed_tokens.weight.copy_(torch.from_numpy(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
-    w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    for i in range(cfg.num_hidden_layers):
-        for hf, gg in names.items():
-            sub = "self_attn." if hf.endswith("_proj") and hf[0] in "qkvo" else "mlp." if hf.endswith("_proj") else ""
-            t = sd[f"model.layers.{i}.{sub}{hf}.weight"]
-            if gg == "attn_q":
-                t = permute(t, n_head)
-            elif gg == "attn_k":
-                t = permute(t, n_kv)
-            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(t))
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    if not cfg.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture(scope="session")
