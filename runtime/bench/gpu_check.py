@@ -91,7 +91,7 @@ def part_models(cfg: dict) -> dict:
         made[f"{c['preset']}-{c['dtype']}"] = {"path": path, "seconds": time.perf_counter() - t}
     c = cfg["quant"]
     t = time.perf_counter()
-    path = make_awq_model(Path(_model(c["preset"], c["dtype"], c["device"])), c["awq_group"])
+    path = make_awq_model(Path(_model(c["preset"], c["dtype"], c["device"])), c["awq_group"], c["device"])
     made[path.name] = {"path": str(path), "seconds": time.perf_counter() - t}
     return made
 
@@ -111,10 +111,19 @@ def _reference_quantizer():
     return module
 
 
-def make_awq_model(src: Path, group: int) -> Path:
+# AutoAWQ's gemm pack order (column order[i] of each eight in nibble i), as quant_checkpoints.quantize_awq packs
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def make_awq_model(src: Path, group: int, device: str = "cpu") -> Path:
     """AWQ (GEMM layout, zero points, `group` inputs a group) of a random-weight model: every
-    q/k/v/o/gate/up/down weight through the reference quantizer, the rest as it is; beside
-    it as <name>-awq-g<group>, made once."""
+    q/k/v/o/gate/up/down weight quantized as the reference quantizer's quantize_awq does, the
+    rest as it is; beside it as <name>-awq-g<group>, made once. The groups are quantized on
+    `device` (the reference's loop over groups takes minutes for 1B on a CPU, seconds on a
+    GPU) and packed on the CPU in threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
     from safetensors.torch import load_file, save_file
 
     dst = src.with_name(f"{src.name}-awq-g{group}")
@@ -125,15 +134,23 @@ def make_awq_model(src: Path, group: int) -> Path:
     reference = _reference_quantizer()
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
-    tensors = {}
+    tensors, to_pack = {}, {}
     for f in sorted(src.glob("*.safetensors")):
         for key, w in load_file(str(f)).items():
             name, kind = key.rsplit(".", 1)
-            if kind == "weight" and name.split(".")[-1] in reference.LINEARS:
-                packed, _ = reference.quantize_awq(name, w.float(), group)
-                tensors.update(packed)
-            else:
+            if kind != "weight" or name.split(".")[-1] not in reference.LINEARS:
                 tensors[key] = w
+                continue
+            w = w.to(device).float()
+            g_idx = torch.arange(w.shape[1], device=w.device) // group
+            with torch.device(w.device):  # the reference's own tensors on the weight's device
+                q, scale, zero = reference._int4_groups(w, group, False, g_idx)
+            to_pack[f"{name}.qweight"] = q.t().to(torch.uint8).cpu().numpy()  # [in, out], packed along the outputs
+            to_pack[f"{name}.qzeros"] = zero.to(torch.uint8).cpu().numpy()  # [groups, out]
+            tensors[f"{name}.scales"] = scale.half().cpu()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL while it packs
+        packed = pool.map(lambda item: (item[0], reference._pack_nibbles(item[1], 1, AWQ_ORDER)), to_pack.items())
+        tensors.update(packed)
     save_file(tensors, str(dst / "model.safetensors"))
     for f in src.iterdir():
         if f.is_file() and not f.name.startswith(".") and ".safetensors" not in f.name:
@@ -265,7 +282,7 @@ def part_quant(cfg: dict, out: Path, budget: float) -> dict:
             continue
         t = time.perf_counter()
         try:
-            path = make_awq_model(base, c["awq_group"]) if awq else base
+            path = make_awq_model(base, c["awq_group"], c["device"]) if awq else base
             run, greedy[name] = _quant_run(c, path, options, items, prompts)
         except Exception as exc:  # one format failing costs its run, not the others'
             traceback.print_exc()

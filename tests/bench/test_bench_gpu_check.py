@@ -130,9 +130,10 @@ def test_compare_greedy_counts_what_two_runs_share():
 
 
 def test_awq_checkpoint_of_a_random_model_matches_transformers_on_its_dequantized_weights(tmp_path, monkeypatch):
-    """gpu-check's AWQ model: the random model's linear weights through the reference quantizer
-    (tests/quant_checkpoints.py), the rest unchanged. Shoal reading it gives the first-step
-    log-probs of transformers running the weights the reference dequantizes to."""
+    """gpu-check's AWQ model: the random model's linear weights quantized and packed as the
+    reference quantizer's quantize_awq does (tests/quant_checkpoints.py), the rest unchanged.
+    Shoal reading it gives the first-step log-probs of transformers running the weights the
+    reference dequantizes to."""
     monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -154,8 +155,9 @@ def test_awq_checkpoint_of_a_random_model_matches_transformers_on_its_dequantize
     for key, w in source.items():
         name = key.rsplit(".", 1)[0]
         if name.split(".")[-1] in LINEARS:
-            assert key not in written and {f"{name}.qweight", f"{name}.qzeros", f"{name}.scales"} <= written.keys()
-            state[key].copy_(quantize_awq(name, w, 32)[1])
+            tensors, dequantized = quantize_awq(name, w, 32)
+            assert key not in written and all(torch.equal(written[k], v) for k, v in tensors.items()), name
+            state[key].copy_(dequantized)
         else:
             assert torch.equal(written[key], w), key
     prompts = _parity_prompts(4)
