@@ -13,6 +13,10 @@ and the next one runs):
               transformers' static batches of 64 on the same GPU in the same run
   step        a steady decode step at 256 running: ms a step, host ms, and under torch.profiler
               the device's busy share and per-step copies and synchronizations
+  quant       the 1B-shaped model in bf16, FP8 W8A8 (--quantization fp8, at load), the FP8 KV cache
+              and AWQ int4 (the random weights quantized by the repo's reference quantizer), one
+              engine after another in one process: the GPU workload's throughput, the linear
+              layers at batch 256, KV blocks, and greedy tokens / first-step logprobs against bf16
   kernels     `shoal bench kernels` (checks and times every Triton kernel)
 
 Writes gpu_check.json (every figure, and the end of each part's log), gpu_check.md (a short
@@ -26,6 +30,7 @@ it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -41,7 +46,8 @@ from pathlib import Path
 BUDGET_S = 465.0  # the whole run; the issue allows 8 minutes
 
 # (part, seconds reserved for it): a part may use what earlier parts left, never what later ones reserve
-PARTS = [("models", 60), ("parity", 70), ("throughput", 180), ("step", 60), ("kernels", 95)]
+# (quant: 4 engines; it also gets what the parts before it left, and kernels what it leaves)
+PARTS = [("models", 70), ("parity", 60), ("throughput", 150), ("step", 50), ("quant", 80), ("kernels", 55)]
 
 GPU = dict(
     parity=dict(preset="smollm2-135m", dtype="float32", backend="triton", prompts=16, tokens=24, device="cuda"),
@@ -51,6 +57,8 @@ GPU = dict(
                     kv_cache_memory=0.5),
     step=dict(preset="llama-1b", dtype="bfloat16", device="cuda", num_seqs=256, prompt_len=256, warmup=5, steps=30,
               profile=10),
+    quant=dict(preset="llama-1b", dtype="bfloat16", device="cuda", num_prompts=None, kv_cache_memory=float(16 * 2**30),
+               awq_group=128, prompts=16, tokens=24, gemm_rows=256, gemm_iters=20),
     kernels=["--iters", "50", "--warmup", "5"],
 )
 SMOKE = dict(
@@ -59,6 +67,8 @@ SMOKE = dict(
                     kv_cache_memory=float(2**27)),
     step=dict(preset="tiny-step", dtype="float32", device="cpu", num_seqs=16, prompt_len=8, warmup=1, steps=3,
               profile=2),
+    quant=dict(preset="tiny", dtype="float32", device="cpu", num_prompts=2, max_output_len=4, first_run=False,
+               kv_cache_memory=float(2**26), awq_group=32, prompts=3, tokens=4, gemm_rows=16, gemm_iters=1),
     kernels=["--cpu", "--small", "--iters", "1", "--warmup", "0"],
 )
 
@@ -74,17 +84,95 @@ def _model(preset: str, dtype: str, device: str) -> str:
 
 def part_models(cfg: dict) -> dict:
     made = {}
-    for key in ("parity", "throughput", "step"):
+    for key in ("parity", "throughput", "step", "quant"):
         c = cfg[key]
         t = time.perf_counter()
         path = _model(c["preset"], c["dtype"], c["device"])
         made[f"{c['preset']}-{c['dtype']}"] = {"path": path, "seconds": time.perf_counter() - t}
+    c = cfg["quant"]
+    t = time.perf_counter()
+    path = make_awq_model(Path(_model(c["preset"], c["dtype"], c["device"])), c["awq_group"], c["device"])
+    made[path.name] = {"path": str(path), "seconds": time.perf_counter() - t}
     return made
+
+
+def _reference_quantizer():
+    """tests/quant_checkpoints.py: the repo's reference quantizers (written from AutoAWQ's,
+    AutoGPTQ's and compressed-tensors' packing, not from Shoal's unpackers), loaded from the
+    checkout by path (tests/ is no package; gpu-check runs from a checkout)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "tests" / "quant_checkpoints.py"
+    if not path.exists():
+        raise FileNotFoundError(f"the reference quantizer {path} (gpu-check runs from a checkout)")
+    spec = importlib.util.spec_from_file_location("shoal_reference_quantizers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# AutoAWQ's gemm pack order (column order[i] of each eight in nibble i), as quant_checkpoints.quantize_awq packs
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def make_awq_model(src: Path, group: int, device: str = "cpu") -> Path:
+    """AWQ (GEMM layout, zero points, `group` inputs a group) of a random-weight model: every
+    q/k/v/o/gate/up/down weight quantized as the reference quantizer's quantize_awq does, the
+    rest as it is; beside it as <name>-awq-g<group>, made once. The groups are quantized on
+    `device` (the reference's loop over groups takes minutes for 1B on a CPU, seconds on a
+    GPU) and packed on the CPU in threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst = src.with_name(f"{src.name}-awq-g{group}")
+    stamp = dst / ".shoal-awq.json"
+    spec = {"source": (src / ".shoal-random-model.json").read_text(), "group": group}
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return dst
+    reference = _reference_quantizer()
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    tensors, to_pack = {}, {}
+    for f in sorted(src.glob("*.safetensors")):
+        for key, w in load_file(str(f)).items():
+            name, kind = key.rsplit(".", 1)
+            if kind != "weight" or name.split(".")[-1] not in reference.LINEARS:
+                tensors[key] = w
+                continue
+            w = w.to(device).float()
+            g_idx = torch.arange(w.shape[1], device=w.device) // group
+            with torch.device(w.device):  # the reference's own tensors on the weight's device
+                q, scale, zero = reference._int4_groups(w, group, False, g_idx)
+            to_pack[f"{name}.qweight"] = q.t().to(torch.uint8).cpu().numpy()  # [in, out], packed along the outputs
+            to_pack[f"{name}.qzeros"] = zero.to(torch.uint8).cpu().numpy()  # [groups, out]
+            tensors[f"{name}.scales"] = scale.half().cpu()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # numpy lets go of the GIL while it packs
+        packed = pool.map(lambda item: (item[0], reference._pack_nibbles(item[1], 1, AWQ_ORDER)), to_pack.items())
+        tensors.update(packed)
+    save_file(tensors, str(dst / "model.safetensors"))
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith(".") and ".safetensors" not in f.name:
+            shutil.copy(f, dst / f.name)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = reference.quantization_config("awq", group)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    stamp.write_text(json.dumps(spec))
+    return dst
+
+
+def _parity_prompts(count: int) -> list[list[int]]:
+    """The parity part's prompts: `count` random-id prompts of 4-95 tokens (seed 7)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    lens = rng.integers(4, 96, count)
+    return [rng.integers(100, 40000, n).tolist() for n in lens]
 
 
 def part_parity(cfg: dict) -> dict:
     """Greedy tokens and first-step logprobs of Shoal against transformers, same device."""
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -93,9 +181,7 @@ def part_parity(cfg: dict) -> dict:
 
     c = cfg["parity"]
     path = _model(c["preset"], c["dtype"], c["device"])
-    rng = np.random.default_rng(7)
-    lens = rng.integers(4, 96, c["prompts"])
-    prompts = [rng.integers(100, 40000, n).tolist() for n in lens]
+    prompts = _parity_prompts(c["prompts"])
     n = c["tokens"]
     llm = LLM(model=path, device=c["device"], dtype=c["dtype"], attention_backend=c["backend"],
               kv_cache_memory=float(2**30), max_num_seqs=64)
@@ -163,6 +249,177 @@ def part_step(cfg: dict, out: Path) -> dict:
     result["model"] = f"{c['preset']} {c['dtype']} (random weights)"
     return result
 
+# (name, engine options, whether its weights are the AWQ checkpoint), in the order they run:
+# if the part's time runs short, the last ones are skipped
+QUANT_RUNS = [("bf16", {}, False), ("fp8", {"quantization": "fp8"}, False), ("fp8-kv", {"kv_cache_dtype": "fp8"}, False),
+              ("awq", {}, True)]
+
+
+def part_quant(cfg: dict, out: Path, budget: float) -> dict:
+    """The quantized formats against the model's dtype on the 1B-shaped workload, one engine
+    after another in this process (each runs the workload twice: once to compile what is left
+    to compile, once timed). A run starts only while the time left holds the longest so far."""
+    c = cfg["quant"]
+    start = time.perf_counter()
+    base = Path(_model(c["preset"], c["dtype"], c["device"]))
+    from shoal.runtime.bench import workloads
+
+    items = workloads.load("gpu", c["num_prompts"], 0, None)
+    if c.get("max_output_len"):  # smoke runs: a few tokens each
+        items = [dataclasses.replace(i, output_len=min(i.output_len, c["max_output_len"])) for i in items]
+    prompts = _parity_prompts(c["prompts"])
+    result = {"model": f"{c['preset']} {c['dtype']} (random weights)", "device": c["device"],
+              "dtype": c["dtype"], "fp8_gemm": _fp8_gemm_path(c["device"], c["dtype"]), "awq_group": c["awq_group"], "gemm_rows": c["gemm_rows"], "workload": "gpu",
+              "requests": len(items), "output_tokens": sum(i.output_len for i in items),
+              "parity_prompts": len(prompts), "parity_tokens": c["tokens"], "kv_cache_memory": c["kv_cache_memory"],
+              "runs": {}, "skipped": []}
+    greedy, spent = {}, []
+    for name, options, awq in QUANT_RUNS:
+        left = budget - (time.perf_counter() - start)
+        if spent and left < 1.2 * max(spent) + 10:
+            result["skipped"].append(name)
+            print(f"quant: {name} skipped ({left:.0f} s left, a run took up to {max(spent):.0f} s)", flush=True)
+            continue
+        t = time.perf_counter()
+        try:
+            path = make_awq_model(base, c["awq_group"], c["device"]) if awq else base
+            run, greedy[name] = _quant_run(c, path, options, items, prompts)
+        except Exception as exc:  # one format failing costs its run, not the others'
+            traceback.print_exc()
+            run = {"options": options, "error": f"{type(exc).__name__}: {exc}"}
+        run["seconds"] = time.perf_counter() - t
+        spent.append(run["seconds"])
+        result["runs"][name] = run
+        if "error" not in run:
+            print(f"quant: {name}: {run['timed']['output_tokens_per_s']:,.0f} output tok/s, linear layers at "
+                  f"{c['gemm_rows']} rows {run['linears_ms']:.3f} ms, {run['num_blocks']} KV blocks "
+                  f"({run['seconds']:.0f} s)", flush=True)
+        _write_partial(out, result)
+    _compare_runs(result, greedy)
+    return result
+
+
+def _compare_runs(result: dict, greedy: dict) -> None:
+    """Each run's throughput, linear-layer time, KV blocks and greedy tokens against bf16's."""
+    base = result["runs"].get("bf16")
+    if base is None or "error" in base:
+        return
+    for name, run in result["runs"].items():
+        if name == "bf16" or "error" in run:
+            continue
+        run["throughput_vs_bf16"] = run["timed"]["output_tokens_per_s"] / base["timed"]["output_tokens_per_s"]
+        run["linears_speedup_vs_bf16"] = base["linears_ms"] / run["linears_ms"]
+        run["kv_blocks_vs_bf16"] = run["num_blocks"] / base["num_blocks"]
+        run["accuracy_vs_bf16"] = compare_greedy(*greedy["bf16"], *greedy[name])
+
+
+def compare_greedy(base_tokens, base_first, tokens, first) -> dict:
+    """Greedy outputs of one run against another's on the same prompts: whole sequences equal,
+    first tokens equal, the share of tokens generated before each sequence's first difference,
+    and the largest first-step logprob difference over the tokens both runs ranked (top k)."""
+    same = sum(a == b for a, b in zip(base_tokens, tokens))
+    firsts = sum(a[:1] == b[:1] for a, b in zip(base_tokens, tokens))
+    agreed = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                 for a, b in zip(base_tokens, tokens))
+    diff = max((abs(a[t] - b[t]) for a, b in zip(base_first, first) for t in a.keys() & b.keys()), default=None)
+    return {"prompts": len(tokens), "sequences_equal": same, "first_tokens_equal": firsts,
+            "tokens_before_first_difference": agreed / max(1, sum(len(a) for a in base_tokens)),
+            "first_step_logprob_max_diff": diff}
+
+
+def _fp8_gemm_path(device: str, dtype: str) -> str:
+    """Which GEMM an FP8 linear layer runs here (runtime/layers/quantization/fp8.py's rule)."""
+    import torch
+
+    if device != "cuda":
+        return "torch reference (CPU)"
+    if torch.cuda.get_device_capability() >= (8, 9) and dtype == "bfloat16":
+        return "torch._scaled_mm"
+    return "Triton fp8_scaled_mm"
+
+
+def _quant_run(c: dict, path: Path, options: dict, items, prompts) -> tuple[dict, tuple]:
+    import torch
+
+    from shoal.runtime.bench import offline as bench
+    from shoal.runtime.entrypoints.llm import LLM
+    from shoal.runtime.sampling_params import SamplingParams
+
+    n = c["tokens"]
+    llm = LLM(model=str(path), device=c["device"], dtype=c["dtype"], kv_cache_memory=c["kv_cache_memory"],
+              max_num_seqs=256, **options)
+    try:
+        engine = llm.engine
+        run = {"options": options, "checkpoint": path.name, "num_blocks": engine.pool.num_blocks,
+               "kv_bytes_per_block": engine.executor.kv_bytes_per_block()}
+        params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True, logprobs=5)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        first = [{t: float(getattr(v, "logprob", v)) for t, v in o.outputs[0].logprobs[0].items()} for o in outs]
+        if c.get("first_run", True):  # what start-up's warm-up left to compile, compiled before the timed run
+            run["first_run"] = bench.run_engine(llm, items)
+        run["timed"] = bench.run_engine(llm, items)
+        run["linears_ms"], run["linears_timing"] = time_linears(engine.executor.model, c["gemm_rows"], c["gemm_iters"],
+                                                               torch.device(c["device"]), getattr(torch, c["dtype"]))
+    finally:
+        llm.engine.shutdown()
+        del llm
+        if c["device"] == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+    return run, (tokens, first)
+
+
+def time_linears(model, rows: int, iters: int, device, dtype) -> tuple[float, str]:
+    """Milliseconds for every linear layer of the model (fused QKV, o, gate/up, down; not the LM
+    head) applied once to `rows` rows: the GEMMs of a decode step at that batch. On CUDA one
+    CUDA graph of them all (as decode steps replay), eager where capture fails."""
+    import torch
+
+    from shoal.runtime.layers.linear import MergedColumnLinear, RowLinear
+
+    linears = [m for m in model.modules() if isinstance(m, (MergedColumnLinear, RowLinear))]
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = {size: torch.randn(rows, size, generator=gen, device=device).to(dtype)
+              for size in {m.input_size for m in linears}}
+
+    def once():
+        for m in linears:
+            m(inputs[m.input_size])
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with torch.inference_mode():
+        once()  # compiles, picks GEMM algorithms
+        call, how = once, "eager"
+        if device.type == "cuda":
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    once()
+                call, how = graph.replay, "CUDA graph"
+            except Exception as exc:  # noqa: BLE001 - timed eagerly instead, and said so
+                how = f"eager (capture failed: {type(exc).__name__})"
+        call()
+        sync()
+        t = time.perf_counter()
+        for _ in range(iters):
+            call()
+        sync()
+    return (time.perf_counter() - t) / iters * 1e3, how
+
+
+def _write_partial(out: Path, result: dict) -> None:
+    """The runs done so far, as the part's record: what the orchestrator finds if it must end
+    the part (run_part overwrites it when the part returns)."""
+    record = {"part": "quant", "status": "partial", "error": "ended before every run finished",
+              "result": result}
+    (out / "quant.json").write_text(json.dumps(record, indent=2, default=str))
+
 
 def part_kernels(cfg: dict, budget: float) -> dict:
     import contextlib
@@ -218,6 +475,8 @@ def run_part(name: str, smoke: bool, out: Path, budget: float) -> int:
             result = part_throughput(cfg, out)
         elif name == "step":
             result = part_step(cfg, out)
+        elif name == "quant":
+            result = part_quant(cfg, out, budget)
         elif name == "kernels":
             result = part_kernels(cfg, budget)
         else:
@@ -450,9 +709,37 @@ def markdown(summary: dict) -> str:
         else:
             rows.append(("kernels", status("kernels"), ""))
 
+    def section_quant():
+        q = _get(p, "quant", "result")
+        if not q:
+            rows.append(("quantized formats", status("quant"), ""))
+            return
+        runs = q["runs"]
+        targets = {"fp8": "≥1.3x", "fp8-kv": "blocks 2x"}
+        dtype = q.get("dtype", "bfloat16")
+        labels = {"bf16": f"{dtype}, unquantized", "fp8": "FP8 W8A8 (at load)", "fp8-kv": f"{dtype} weights, FP8 KV cache",
+                  "awq": f"AWQ int4, group {q['awq_group']}"}
+        for name, run in runs.items():
+            label = f"{labels.get(name, name)}, {q['model']}"
+            if "error" in run:
+                rows.append((label, f"error: {run['error']}"[:200], ""))
+                continue
+            text = (f"{run['timed']['output_tokens_per_s']:,.0f} output tok/s; linear layers at {q['gemm_rows']} rows "
+                    f"{run['linears_ms']:.3f} ms; {run['num_blocks']:,} KV blocks")
+            if "throughput_vs_bf16" in run:
+                a = run["accuracy_vs_bf16"]
+                text += (f"; vs bf16: {run['throughput_vs_bf16']:.2f}x tok/s, {run['linears_speedup_vs_bf16']:.2f}x "
+                         f"linears, {run['kv_blocks_vs_bf16']:.2f}x blocks; greedy {a['sequences_equal']}/{a['prompts']} "
+                         f"sequences, {a['first_tokens_equal']}/{a['prompts']} first tokens, first-step logprobs within "
+                         f"{_fmt(a['first_step_logprob_max_diff'], '.2g')}")
+            rows.append((label, text, targets.get(name, "")))
+        if q.get("skipped"):
+            rows.append(("quantized formats skipped (time)", ", ".join(q["skipped"]), ""))
+        rows.append(("FP8 GEMM path", q["fp8_gemm"], "torch._scaled_mm"))
+
     k = _get(p, "kernels", "result")
     for name, section in (("parity", section_parity), ("throughput", section_throughput), ("step", section_step),
-                          ("kernels", section_kernels)):
+                          ("quant", section_quant), ("kernels", section_kernels)):
         try:
             section()
         except Exception as exc:  # a figure missing from a part's result costs its rows, not the table

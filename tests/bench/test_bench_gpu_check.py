@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = REPO / "tools" / "nopip.py"
@@ -78,12 +79,13 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     out = tmp_path / "out"
     env = _blocking_site(tmp_path)
     env["OUT"] = str(out)
-    r = subprocess.run([sys.executable, str(LAUNCHER), "-m", "shoal.runtime.bench.gpu_check", "--smoke"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=600)
+    # the budget is the GPU run's; on a shared CPU the smoke run's parts get room (each still time-boxed)
+    r = subprocess.run([sys.executable, str(LAUNCHER), "-m", "shoal.runtime.bench.gpu_check", "--smoke", "--budget", "1200"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "gpu_check.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"models", "parity", "throughput", "step", "kernels"}
+    assert set(parts) == {"models", "parity", "throughput", "step", "quant", "kernels"}
     assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(parts, "ok"), r.stdout[-4000:]
     par = parts["parity"]["result"]
     assert par["token_exact"] == par["prompts"] and par["first_step_logprob_max_diff"] < 1e-4
@@ -93,10 +95,83 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     st = parts["step"]["result"]
     assert st["num_running"] == st["num_seqs"] and st["decode_only"] and st["profile"]["steps"] > 0
     assert parts["kernels"]["result"]["rc"] == 0 and parts["kernels"]["result"]["rows"]
+    q = parts["quant"]["result"]
+    assert list(q["runs"]) == ["bf16", "fp8", "fp8-kv", "awq"] and not q["skipped"]
+    assert all("error" not in r for r in q["runs"].values()), q["runs"]
+    assert q["runs"]["awq"]["checkpoint"].endswith("-awq-g32")
+    for name, run in q["runs"].items():
+        assert run["timed"]["output_tokens"] == q["output_tokens"] and run["linears_ms"] > 0
+        if name != "bf16":
+            a = run["accuracy_vs_bf16"]
+            assert a["prompts"] == q["parity_prompts"] and 0 <= a["sequences_equal"] <= a["first_tokens_equal"] <= a["prompts"]
+            assert run["throughput_vs_bf16"] > 0 and a["first_step_logprob_max_diff"] >= 0
+    # the smoke model is float32: a float8 cache holds four times its blocks in the same bytes
+    assert q["runs"]["fp8-kv"]["kv_blocks_vs_bf16"] == torch.float32.itemsize / torch.float8_e4m3fn.itemsize
+    assert q["runs"]["fp8"]["num_blocks"] == q["runs"]["awq"]["num_blocks"] == q["runs"]["bf16"]["num_blocks"]
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
     assert "[step] step bench:" in (out / "gpu_check.log").read_text()
     table = (out / "gpu_check.md").read_text()
-    assert "| figure | measured | target |" in table and "token-exact" in table
+    assert "| figure | measured | target |" in table and "token-exact" in table and "FP8 W8A8 (at load)" in table
+
+
+def test_compare_greedy_counts_what_two_runs_share():
+    from shoal.runtime.bench.gpu_check import compare_greedy
+
+    base = [[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]]
+    other = [[5, 6, 7, 8], [1, 2, 0, 4], [3, 9, 9, 9]]
+    base_first = [{5: -0.1, 6: -2.5}, {1: -0.2}, {9: -0.3, 3: -1.5}]
+    other_first = [{5: -0.15, 7: -3.0}, {1: -0.2}, {3: -0.4, 9: -0.5}]
+    r = compare_greedy(base, base_first, other, other_first)
+    assert (r["prompts"], r["sequences_equal"], r["first_tokens_equal"]) == (3, 1, 2)
+    assert r["tokens_before_first_difference"] == pytest.approx((4 + 2 + 0) / 12)
+    assert r["first_step_logprob_max_diff"] == pytest.approx(1.1)  # token 3 of the third prompt: -1.5 against -0.4
+    same = compare_greedy(base, base_first, base, base_first)
+    assert (same["sequences_equal"], same["tokens_before_first_difference"], same["first_step_logprob_max_diff"]) == (3, 1.0, 0)
+
+
+def test_awq_checkpoint_of_a_random_model_matches_transformers_on_its_dequantized_weights(tmp_path, monkeypatch):
+    """gpu-check's AWQ model: the random model's linear weights quantized and packed as the
+    reference quantizer's quantize_awq does (tests/quant_checkpoints.py), the rest unchanged.
+    Shoal reading it gives the first-step log-probs of transformers running the weights the
+    reference dequantizes to."""
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from quant_checkpoints import LINEARS, quantize_awq
+    from shoal import LLM, SamplingParams
+    from shoal.runtime.bench.gpu_check import _parity_prompts, make_awq_model
+    from shoal.runtime.bench.models import make_random_model
+
+    src = make_random_model("tiny", dtype="float32", initializer_range=0.2)
+    path = make_awq_model(src, 32)
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "awq" and config["quantization_config"]["group_size"] == 32
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert make_awq_model(src, 32) == path and (path / "model.safetensors").stat().st_mtime_ns == stamp  # reused
+    written, source = load_file(str(path / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    state = model.state_dict()
+    for key, w in source.items():
+        name = key.rsplit(".", 1)[0]
+        if name.split(".")[-1] in LINEARS:
+            tensors, dequantized = quantize_awq(name, w, 32)
+            assert key not in written and all(torch.equal(written[k], v) for k, v in tensors.items()), name
+            state[key].copy_(dequantized)
+        else:
+            assert torch.equal(written[key], w), key
+    prompts = _parity_prompts(4)
+    llm = LLM(str(path), kv_cache_memory=2**24, attention_backend="torch")
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    with torch.inference_mode():
+        for p, o in zip(prompts, outs):
+            ref = torch.log_softmax(model(torch.tensor([p])).logits[0, -1], -1)
+            assert o.outputs[0].token_ids[0] == int(ref.argmax())
+            for t, lp in o.outputs[0].logprobs[0].items():
+                assert abs(getattr(lp, "logprob", lp) - float(ref[t])) < 1e-4
 
 
 def test_gpu_check_records_a_failing_part_and_runs_the_next(tmp_path, monkeypatch):
