@@ -39,6 +39,12 @@ def pending_requests(text: str) -> float:
 
 
 def metrics_url(pod: dict[str, Any]) -> str | None:
+    base = pod_url(pod)
+    return base + "/metrics" if base else None
+
+
+def pod_url(pod: dict[str, Any]) -> str | None:
+    """http://IP:PORT of a pod's `http` port (its runtime's API), None before it has an IP."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
@@ -48,4 +54,4 @@ def metrics_url(pod: dict[str, Any]) -> str | None:
             if p.get("name") == "http":
                 port = p.get("containerPort", port)
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}/metrics"
+    return f"http://{host}:{port}"
