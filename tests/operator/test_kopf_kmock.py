@@ -197,6 +197,11 @@ class ClusterPlayer:
         stss = {s["metadata"]["name"]: s for s in stored(k, "statefulsets")}
         self.statefulsets_seen |= set(stss)
         for name, sts in stss.items():
+            if not sts["metadata"].get("uid"):   # the API server's: set once, on create
+                uid = f"uid-{name}-{time.monotonic_ns()}"
+                async with k.patch(f"{STS}/{name}", json={"metadata": {"uid": uid}}) as resp:
+                    assert resp.status == 200, await resp.text()
+                sts["metadata"]["uid"] = uid
             if self.hold_deletions and not sts["metadata"].get("finalizers"):
                 async with k.patch(f"{STS}/{name}", json={"metadata": {"finalizers": ["foregroundDeletion"]}}) as resp:
                     assert resp.status == 200, await resp.text()
@@ -641,3 +646,196 @@ async def test_a_scale_up_while_groups_drain_takes_new_names(cluster):
                    and r.resource.plural == "events" and r.data.get("reason") == "GroupCreated"]
         named = sorted(m.split()[2] for m in created)   # "created group NAME (revision R)"
         assert named == sorted(player.statefulsets_seen), created
+
+
+# ---------------------------------------------------------------- LoRA adapters (issue 31)
+
+class FakeLeader(http.server.BaseHTTPRequestHandler):
+    """One group leader's LoRA endpoints over HTTP, in vLLM's (and `shoal serve`'s) shapes:
+    GET /v1/models (adapters with `parent` and their path as `root`), POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter. It starts with the pod's own
+    `--lora-modules`, and refuses a path with no adapter_config.json (404) and a name
+    already loaded (400), as the runtime does."""
+    adapters: dict[str, str]
+    calls: list[tuple[str, str]]
+
+    def _reply(self, code: int, body: Any) -> None:
+        data = (body if isinstance(body, str) else __import__("json").dumps(body)).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        if self.path != "/v1/models":
+            return self._reply(404, {"error": {"message": "no such route"}})
+        cards = [{"id": "demo", "object": "model", "root": "builtin://smollm2-135m-instruct", "parent": None}]
+        cards += [{"id": n, "object": "model", "root": p, "parent": "demo"} for n, p in sorted(self.adapters.items())]
+        self._reply(200, {"object": "list", "data": cards})
+
+    def do_POST(self):  # noqa: N802
+        import json
+        import os
+
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        name = req["lora_name"]
+        self.calls.append((self.path, name))
+        if self.path == "/v1/load_lora_adapter":
+            if name in self.adapters and not req.get("load_inplace"):
+                return self._reply(400, {"error": {"message": f"an adapter named {name!r} is already loaded"}})
+            if not os.path.exists(os.path.join(req["lora_path"], "adapter_config.json")):
+                return self._reply(404, {"error": {"message": f"no PEFT adapter at {req['lora_path']!r}"}})
+            self.adapters[name] = req["lora_path"]
+            return self._reply(200, f"Success: LoRA adapter '{name}' added successfully.")
+        if self.path == "/v1/unload_lora_adapter":
+            if self.adapters.pop(name, None) is None:
+                return self._reply(404, {"error": {"message": f"no adapter named {name!r} is loaded"}})
+            return self._reply(200, f"Success: LoRA adapter '{name}' removed successfully.")
+        self._reply(404, {"error": {"message": "no such route"}})
+
+    def log_message(self, *args):
+        pass
+
+
+class FakeLeaders:
+    """A FakeLeader server per leader pod (by pod uid: a recreated pod would be a new one)."""
+
+    def __init__(self):
+        self.servers: dict[str, tuple[http.server.ThreadingHTTPServer, type]] = {}
+
+    def url(self, pod: dict) -> str | None:
+        if not (pod.get("status") or {}).get("podIP"):
+            return None
+        uid = pod["metadata"]["uid"]
+        if uid not in self.servers:
+            args = pod["spec"]["containers"][0]["args"]
+            start = {}
+            if "--lora-modules" in args:   # what `shoal serve --lora-modules NAME=PATH ...` starts with
+                for a in args[args.index("--lora-modules") + 1:]:
+                    if a.startswith("--"):
+                        break
+                    n, _, p = a.partition("=")
+                    start[n] = p
+            handler = type("Leader", (FakeLeader,), {"adapters": start, "calls": []})
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers[uid] = (server, handler)
+        return f"http://127.0.0.1:{self.servers[uid][0].server_address[1]}"
+
+    def by_group(self) -> dict[str, type]:
+        return {h.group: h for _, h in self.servers.values()}
+
+    def close(self):
+        for server, _ in self.servers.values():
+            server.shutdown()
+
+
+def make_adapter(root, name: str) -> str:
+    """A directory the fake leader accepts (it looks for adapter_config.json, as the runtime does)."""
+    d = root / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    return str(d)
+
+
+async def test_adapters_come_and_go_on_running_groups_without_a_rollout(cluster, monkeypatch, tmp_path):
+    """Issue 31: an adapter added to and removed from a running deployment is loaded and
+    unloaded on the groups' leaders over HTTP; no group is replaced, status says where each is."""
+    from shoal.operator import scrape
+
+    leaders = FakeLeaders()
+    monkeypatch.setattr(scrape, "pod_url", leaders.url)
+    sql, chat = make_adapter(tmp_path, "sql"), make_adapter(tmp_path, "chat")
+    k = cluster
+    player = ClusterPlayer(k)
+
+    def adapters(*pairs):
+        return {"source": "builtin://smollm2-135m-instruct", "revision": "main",
+                "adapters": [{"name": n, "source": f"file://{p}"} for n, p in pairs]}
+
+    def leader_state() -> dict[str, dict[str, str]]:
+        out = {}
+        for pod in stored(k, "pods"):
+            if pod["metadata"]["labels"].get(render.L_POD_INDEX) == "0" and pod["metadata"]["uid"] in leaders.servers:
+                out[pod["metadata"]["labels"][render.L_GROUP]] = dict(leaders.servers[pod["metadata"]["uid"]][1].adapters)
+        return out
+
+    def calls() -> list[tuple[str, str, str]]:
+        return sorted((h.__name__, path, n) for _, h in leaders.servers.values() for path, n in h.calls)
+
+    def group_events() -> list[str]:
+        return [r.data.get("reason") for r in list(k) if r.method == "POST" and r.resource is not None
+                and r.resource.plural == "events" and str(r.data.get("reason", "")).startswith("Group")]
+
+    async def adapters_are(want: dict[str, str], generation: int):
+        st = ((await get(k, f"{IDF}/demo")) or {}).get("status") or {}
+        listed = {a["name"]: (a["loadedGroups"], {g["state"] for g in a["groups"]}) for a in st.get("adapters") or []}
+        return st.get("observedGeneration") == generation and st.get("readyReplicas") == 2 \
+            and listed == {n: (2 if s == "Loaded" else 0, {s}) for n, s in want.items()} and st
+
+    try:
+        async with operator_running():
+            play = asyncio.create_task(player.run())
+            try:
+                async with k.post(IDF, json=idf(replicas=2, model=adapters(("sql", sql)))) as resp:
+                    assert resp.status in (200, 201)
+                # The groups start with it (--enable-lora --lora-modules sql=PATH): nothing to load.
+                st = await eventually(lambda: adapters_are({"sql": "Loaded"}, 1), timeout=60)
+                assert calls() == []
+                groups = sorted(g["name"] for g in st["groups"])
+                assert set(leader_state()) == set(groups) and all(a == {"sql": sql} for a in leader_state().values())
+
+                def identity():
+                    stss = stored(k, "statefulsets")
+                    return (sorted((s["metadata"]["name"], s["metadata"]["uid"],
+                                    s["metadata"]["labels"][render.L_REVISION]) for s in stss),
+                            sorted((p["metadata"]["name"], p["metadata"]["uid"]) for p in stored(k, "pods")))
+                before = identity()
+                assert len(before[0]) == 2 and len(before[1]) == 2
+                revision = st["revision"]
+                created = group_events()
+                assert created == ["GroupCreated", "GroupCreated"]
+
+                # Added: loaded on each running leader, nothing replaced.
+                patch = {"metadata": {"generation": 2}, "spec": {"model": adapters(("sql", sql), ("chat", chat))}}
+                async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                    assert resp.status == 200
+                st = await eventually(lambda: adapters_are({"sql": "Loaded", "chat": "Loaded"}, 2), timeout=60)
+                assert all(a == {"sql": sql, "chat": chat} for a in leader_state().values())
+                assert [c[1:] for c in calls()] == [("/v1/load_lora_adapter", "chat")] * 2
+                assert st["revision"] == revision and identity() == before and group_events() == created
+
+                # A bad one: the leader's refusal is that group's state, with its reason; the rest serve on.
+                patch = {"metadata": {"generation": 3}, "spec": {"model": adapters(
+                    ("sql", sql), ("chat", chat), ("gone", str(tmp_path / "nothing-here")))}}
+                async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                    assert resp.status == 200
+                st = await eventually(lambda: adapters_are({"sql": "Loaded", "chat": "Loaded", "gone": "Failed"}, 3),
+                                      timeout=60)
+                gone = next(a for a in st["adapters"] if a["name"] == "gone")
+                assert all("404" in g["message"] and "no PEFT adapter" in g["message"] for g in gone["groups"])
+
+                # Removed: unloaded from each leader, nothing replaced.
+                patch = {"metadata": {"generation": 4}, "spec": {"model": adapters(("chat", chat))}}
+                async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                    assert resp.status == 200
+                st = await eventually(lambda: adapters_are({"chat": "Loaded"}, 4), timeout=60)
+                assert all(a == {"chat": chat} for a in leader_state().values())
+                assert [c[1:] for c in calls() if "unload" in c[1]] == [("/v1/unload_lora_adapter", "sql")] * 2
+                assert st["revision"] == revision and identity() == before and group_events() == created
+                assert sorted(g["name"] for g in st["groups"]) == groups
+
+                # The groups' StatefulSets (OnDelete: their pods stay) follow the list on a resync,
+                # so a group that restarts starts with what the spec says.
+                async def templates_follow():
+                    stss = stored(k, "statefulsets")
+                    argss = [s["spec"]["template"]["spec"]["containers"][0]["args"] for s in stss]
+                    return all(f"chat={chat}" in a for a in argss) and stss
+                stss = await eventually(templates_follow, timeout=30)
+                assert all(s["spec"]["updateStrategy"] == {"type": "OnDelete"} for s in stss)
+                assert identity() == before and group_events() == created
+            finally:
+                player.stop = True
+                await play
+    finally:
+        leaders.close()
