@@ -1,6 +1,7 @@
 """Reading a group leader's queue depth from its Prometheus metrics (docs/design.md: a
 group's queue depth is shoal_num_requests_running + shoal_num_requests_waiting), and the
-requests a Shoal router holds while no group is ready (shoal_router_pending_requests)."""
+requests a Shoal router holds while no group is ready (shoal_router_pending_requests); a
+pod's HTTP address (pod_url: the group leaders' LoRA endpoints are called there too)."""
 
 from __future__ import annotations
 
