@@ -437,8 +437,9 @@ class Controller:
             elif p["cacheKey"] and cache.get(p["name"]) != "Ready":
                 out[p["name"]] = ("Fetching", f"the shared cache's Job is {cache.get(p['name'], 'Pending')}")
             elif not render.adapter_on_pod(p, leader):
-                out[p["name"]] = ("Pending", "this group's pods started without its files (a claim they do not "
-                                             "mount, or hf:// without model.cache); the group's next start has them")
+                out[p["name"]] = ("Pending", "this group's pods cannot load it (started without --enable-lora, or "
+                                             "without its files: a claim they do not mount, hf:// without "
+                                             "model.cache); the group's next start has it")
             else:
                 wanted[p["name"]] = p["path"]
         loads, unloads = status.adapter_changes(wanted, {p["name"] for p in plans}, loaded)

@@ -276,11 +276,14 @@ def adapter_plans(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def adapter_on_pod(plan: dict[str, Any], pod: dict[str, Any]) -> bool:
-    """Whether a running pod has the adapter's files: in the image, on a volume it mounts, or
-    among the repos its init container downloaded. A pod's volumes are fixed at its start, so
+    """Whether a running pod can load the adapter: it runs with --enable-lora and has the
+    adapter's files (in the image, on a volume it mounts, or among the repos its init
+    container downloaded). A pod's volumes are fixed at its start, so
     an adapter on a claim it lacks (or an hf:// one without the shared cache) waits for the
     group's next start (the StatefulSet's template has it)."""
     spec = pod.get("spec") or {}
+    if "--enable-lora" not in ((spec.get("containers") or [{}])[0].get("args") or []):
+        return False   # a group of the revision before `adapters` was added: the rollout replaces it
     if plan["fetch"]:
         for ic in spec.get("initContainers") or []:
             for e in ic.get("env") or []:

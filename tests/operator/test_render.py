@@ -566,3 +566,10 @@ def test_whether_a_running_pod_has_an_adapters_files(defaulted):
     plans = {p["name"]: p for p in render.adapter_plans(body["spec"])}
     assert [n for n in plans if render.adapter_on_pod(plans[n], old)] == ["sql", "same-claim", "baked"]
     assert all(render.adapter_on_pod(p, new) for p in plans.values())
+
+
+def test_a_pod_without_lora_loads_no_adapter(defaulted):
+    # a group of the revision before `adapters` was added: the rollout replaces it, nothing is loaded there
+    body = defaulted(model={"source": "pvc://models/llama/8b", "adapters": ADAPTERS})
+    before = render.pod_template(defaulted(model={"source": "pvc://models/llama/8b"}), "g")
+    assert not any(render.adapter_on_pod(p, before) for p in render.adapter_plans(body["spec"]))
