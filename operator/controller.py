@@ -434,6 +434,9 @@ class Controller:
         for p in plans:
             if loaded.get(p["name"]) == p["path"]:
                 out[p["name"]] = ("Loaded", "")
+            elif p["cacheKey"] and cache.get(p["name"]) == "Failed":
+                out[p["name"]] = ("Failed", "its download into the shared cache failed (see its Job; "
+                                            "deleting the Job retries)")
             elif p["cacheKey"] and cache.get(p["name"]) != "Ready":
                 out[p["name"]] = ("Fetching", f"the shared cache's Job is {cache.get(p['name'], 'Pending')}")
             elif not render.adapter_on_pod(p, leader):

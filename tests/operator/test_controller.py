@@ -619,7 +619,12 @@ def test_adapters_in_the_shared_cache_load_once_their_job_is_done(world, monkeyp
     (sql,) = status(kube)["adapters"]
     assert sql["cache"] == "Fetching" and [g["state"] for g in sql["groups"]] == ["Fetching"]
     assert [h.calls for _, h in leaders.servers.values()] == [[]]   # nothing asked of the leader yet
-    kube.objects[("Job", "default", adapter_job)]["status"] = {"succeeded": 1}
+    kube.objects[("Job", "default", adapter_job)]["status"] = {"failed": 5, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}
+    c.trigger("default", "demo", scrape=True)
+    (sql,) = status(kube)["adapters"]
+    assert sql["cache"] == "Failed" and [g["state"] for g in sql["groups"]] == ["Failed"]
+    kube.objects[("Job", "default", adapter_job)]["status"] = {"succeeded": 1}   # retried (deleted and run again)
     c.trigger("default", "demo", scrape=True)
     (sql,) = status(kube)["adapters"]
     assert sql["cache"] == "Ready" and sql["loadedGroups"] == 1
