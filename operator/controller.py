@@ -9,9 +9,12 @@ further triggers only make it run once more, with a fresh read of the resource.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +29,7 @@ MAX_RERUNS = 2
 LONE_POD_SPREAD_SECONDS = 60
 A_RESTARTS = "shoal.dev/restarts"
 A_RESTARTED_AT = "shoal.dev/restarted-at"
-OPTIONAL_STATUS = ("autoscaler", "modelCache", "router", "url")  # present only while their feature is on
+OPTIONAL_STATUS = ("adapters", "autoscaler", "modelCache", "router", "url")  # present only while their feature is on
 A_RESTART_TIMES = "shoal.dev/recent-restarts"   # epoch seconds within status.RESTART_WINDOW_SECONDS
 
 
@@ -112,6 +115,44 @@ def pod_failed(pod: Any) -> bool:
         return failure_reason([pod]) is not None
     except (KeyError, TypeError, ValueError):
         return False
+
+
+# ---------------------------------------------------------------- a leader's LoRA endpoints (plain HTTP)
+
+ADAPTER_HTTP_TIMEOUT = 30.0   # a load reads the adapter's files on the engine thread
+
+
+class AdapterCallError(Exception):
+    """The leader answered a load or unload with an error status (its reason in the message)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def leader_adapters(base: str, timeout: float = ADAPTER_HTTP_TIMEOUT) -> dict[str, str]:
+    """The adapters a leader serves, name -> path: vLLM's /v1/models, the cards with a parent."""
+    with urllib.request.urlopen(base + "/v1/models", timeout=timeout) as resp:  # noqa: S310 (cluster-internal)
+        cards = json.loads(resp.read()).get("data") or []
+    return {c["id"]: str(c.get("root") or "") for c in cards if c.get("parent")}
+
+
+def leader_call(base: str, path: str, payload: dict[str, Any], timeout: float = ADAPTER_HTTP_TIMEOUT) -> None:
+    """POST /v1/load_lora_adapter or /v1/unload_lora_adapter; AdapterCallError on a refusal."""
+    req = urllib.request.Request(base + path, data=json.dumps(payload).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (cluster-internal)
+            resp.read()
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")
+        try:   # OpenAI's error shape, as vLLM and Shoal answer
+            err = json.loads(text)
+            inner = err.get("error")
+            text = inner.get("message", text) if isinstance(inner, dict) else err.get("message") or text
+        except (ValueError, AttributeError):
+            pass
+        raise AdapterCallError(e.code, f"{e.code}: {str(text)[:300]}") from None
 
 
 @dataclasses.dataclass
@@ -299,11 +340,14 @@ class Controller:
             self.events(body, "Normal", "GroupDeleted", f"deleted group {gname} ({why}); its pods drain")
         groups = [dataclasses.replace(g, terminating=True, ready=False) if g.name in doomed else g for g in groups]
 
-        # 5. Status.
+        # 5. LoRA adapters: loaded and unloaded on the running groups (no rollout).
+        adapters = self._adapters(kube, body, want, obs, groups, probe=scrape) if want.adapters is not None else None
+
+        # 6. Status.
         new_status = status.build(body=body, groups=groups, group_details=details, revision=revision,
                                   desired=desired, selector=want.selector, failing=failing,
                                   autoscaler=auto_state, now=now, model_cache=cache, url=want.url,
-                                  router=router)
+                                  router=router, adapters=adapters)
         self._write_status(kube, body, new_status)
         metrics.set_groups(ns, name, desired, new_status["readyReplicas"])
         return new_status
@@ -347,6 +391,102 @@ class Controller:
                 self.events(body, "Normal", "ModelFetched", f"{body['spec']['model']['source']} is in the cache")
             elif phase == "Failed":
                 self.events(body, "Warning", "ModelFetchFailed", message)
+        return out
+
+    def _adapters(self, kube: Kube, body: dict[str, Any], want: render.Desired, obs: Observed,
+                  groups: list[rollout.Group], probe: bool) -> list[dict[str, Any]]:
+        """status.adapters, after asking each ready group's leader what it serves and loading
+        or unloading the difference. Timer rounds ask; other rounds ask only when the
+        adapter list or the set of ready groups changed (else the last answers stand)."""
+        plans = want.adapters or []
+        prev = (body.get("status") or {}).get("adapters") or []
+        cache = self._adapter_cache(kube, body, want, prev)
+        live = [g for g in groups if not g.terminating]
+        before = {(x.get("name"), a.get("name")): (x.get("state", "Pending"), x.get("message", ""))
+                  for a in prev for x in a.get("groups") or []}
+        listed = [(a.get("name"), a.get("source")) for a in prev]
+        seen = {x.get("name") for a in prev for x in a.get("groups") or [] if x.get("state") != "Pending"}
+        new_ready = {g.name for g in live if g.ready} - seen
+        if not probe and listed == [(p["name"], p["source"]) for p in plans] and not (plans and new_ready):
+            states = {g.name: {p["name"]: before.get((g.name, p["name"]), ("Pending", "not looked at yet"))
+                               for p in plans} for g in live}
+            return status.adapter_status(plans, states, cache)
+        states = {}
+        for g in live:
+            leader = next((p for p in obs.pods.get(g.name, []) if pod_index(p) == 0), None)
+            base = scrape.pod_url(leader) if leader and g.ready else None
+            if base is None:
+                states[g.name] = {p["name"]: ("Pending", "the group is not ready") for p in plans}
+                continue
+            states[g.name] = self._adapters_on(body, g.name, base, leader, plans, cache, before)
+        return status.adapter_status(plans, states, cache)
+
+    def _adapters_on(self, body: dict[str, Any], group: str, base: str, leader: dict[str, Any],
+                     plans: list[dict[str, Any]], cache: dict[str, str],
+                     before: dict[tuple[str, str], tuple[str, str]]) -> dict[str, tuple[str, str]]:
+        """One group: read what its leader serves, load and unload the difference."""
+        try:
+            loaded = leader_adapters(base)
+        except Exception as e:  # not answering: nothing changes there, the next round asks again
+            return {p["name"]: ("Pending", f"the leader did not answer: {e}"[:300]) for p in plans}
+        out: dict[str, tuple[str, str]] = {}
+        wanted: dict[str, str] = {}
+        for p in plans:
+            if loaded.get(p["name"]) == p["path"]:
+                out[p["name"]] = ("Loaded", "")
+            elif p["cacheKey"] and cache.get(p["name"]) == "Failed":
+                out[p["name"]] = ("Failed", "its download into the shared cache failed (see its Job; "
+                                            "deleting the Job retries)")
+            elif p["cacheKey"] and cache.get(p["name"]) != "Ready":
+                out[p["name"]] = ("Fetching", f"the shared cache's Job is {cache.get(p['name'], 'Pending')}")
+            elif not render.adapter_on_pod(p, leader):
+                out[p["name"]] = ("Pending", "this group's pods cannot load it (started without --enable-lora, or "
+                                             "without its files: a claim they do not mount, hf:// without "
+                                             "model.cache); the group's next start has it")
+            else:
+                wanted[p["name"]] = p["path"]
+        loads, unloads = status.adapter_changes(wanted, {p["name"] for p in plans}, loaded)
+        for name in unloads:
+            try:
+                leader_call(base, "/v1/unload_lora_adapter", {"lora_name": name})
+                self.events(body, "Normal", "AdapterUnloaded", f"unloaded adapter {name} from group {group}")
+            except Exception as e:  # it stays; the next round tries again
+                log.warning("unloading adapter %s from %s failed: %s", name, group, e)
+        for name, path, in_place in loads:
+            try:
+                leader_call(base, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path,
+                                                            "load_inplace": in_place})
+                out[name] = ("Loaded", "")
+                self.events(body, "Normal", "AdapterLoaded", f"loaded adapter {name} ({path}) on group {group}")
+            except AdapterCallError as e:
+                # 4xx: the leader refused it (a bad adapter): Failed, with its reason; else try again
+                out[name] = ("Failed" if 400 <= e.status < 500 else "Pending", str(e))
+                if out[name][0] == "Failed" and before.get((group, name)) != out[name]:
+                    self.events(body, "Warning", "AdapterFailed", f"adapter {name} on group {group}: {e}")
+            except Exception as e:
+                out[name] = ("Pending", f"the leader did not answer: {e}"[:300])
+        return out
+
+    def _adapter_cache(self, kube: Kube, body: dict[str, Any], want: render.Desired,
+                       prev: list[dict[str, Any]]) -> dict[str, str]:
+        """hf:// adapters with the shared model cache: adapter name -> its fetch Job's phase
+        (the Job created when missing; a Ready already in status is trusted, as the model's)."""
+        ns = body["metadata"]["namespace"]
+        out: dict[str, str] = {}
+        done = {(a.get("name"), a.get("source")) for a in prev if a.get("cache") == "Ready"}
+        for plan in want.adapters or []:
+            if not plan["cacheKey"]:
+                continue
+            if (plan["name"], plan["source"]) in done:
+                out[plan["name"]] = "Ready"
+                continue
+            job = want.adapter_fetch_job(plan)
+            live = get_quietly(kube, "batch/v1", "Job", ns, job["metadata"]["name"])
+            if live is None:
+                self.applier.apply_now(kube, job)
+                out[plan["name"]] = "Pending"
+            else:
+                out[plan["name"]] = job_phase(live)[0]
         return out
 
     def _groups(self, kube: Kube, body: dict[str, Any], want: render.Desired, obs: Observed, verify: bool = False):

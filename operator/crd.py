@@ -34,6 +34,21 @@ SOURCE_PATTERN = (
     r"|file:///.+)$"
 )
 
+# LoRA adapters (spec.model.adapters): a PEFT directory, from where a model may come but
+# the image's built-in models. A pvc:// adapter names its directory on the claim.
+ADAPTER_SOURCE_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^/].*"
+    r"|file:///.+)$"
+)
+# What clients send as `model`; `--lora-modules NAME=PATH` splits on '='.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$"
+MAX_ADAPTERS = 64
+# An adapter on one group: Loaded (its leader serves it), Fetching (the shared cache's Job
+# still downloads it), Pending (the group is not ready, or its pods lack the adapter's
+# files until it restarts), Failed (the leader refused it: the message says why).
+ADAPTER_STATES = ("Loaded", "Fetching", "Pending", "Failed")
+
 # CEL rules, by the schema path they sit on (the tests evaluate these same strings).
 RULE_NAME = {
     "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
@@ -71,11 +86,13 @@ RULE_EXTRA_ARGS = {
                "from the spec)",
 }
 RESERVED_VOLUMES = ("dshm", "model", "model-cache", "tmp", "home")   # render.py's volumes
-RESERVED_MOUNTS = ("/tmp", "/home/shoal", "/models")                 # and mounts, besides /dev/shm
+RESERVED_VOLUME_PREFIX = "adapter-"                                  # and the LoRA adapters'
+RESERVED_MOUNTS = ("/tmp", "/home/shoal", "/models", "/adapters")    # and mounts, besides /dev/shm
 RULE_VOLUMES = {
     "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in "
-            + "[" + ", ".join(f"'{v}'" for v in RESERVED_VOLUMES) + "]))",
-    "message": "podTemplate.volumes: the names " + ", ".join(RESERVED_VOLUMES) + " are the operator's",
+            + "[" + ", ".join(f"'{v}'" for v in RESERVED_VOLUMES) + f"]) && !v.name.startsWith('{RESERVED_VOLUME_PREFIX}'))",
+    "message": "podTemplate.volumes: the names " + ", ".join(RESERVED_VOLUMES)
+               + f" and {RESERVED_VOLUME_PREFIX}* are the operator's",
 }
 RULE_SHM_MOUNT = {
     "rule": "!has(self.volumeMounts) || self.volumeMounts.all(m, m.mountPath != '/dev/shm' "
@@ -99,6 +116,20 @@ RULE_SOURCE_PATH = {
 RULE_CACHE_SOURCE = {
     "rule": "!has(self.cache) || !self.cache.enabled || self.source.startsWith('hf://')",
     "message": "model.cache is for hf:// sources (the others need no download)",
+}
+RULE_ADAPTER_NAMES = {
+    "rule": "!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+    "message": "model.adapters: each name once (it is what clients send as `model`)",
+}
+RULE_ADAPTER_PATHS = {
+    "rule": "!has(self.adapters) || self.adapters.all(a, !a.source.matches('^(pvc|file)://(.*/)?[.][.](/.*)?$'))",
+    "message": "model.adapters: a path may not contain '..'",
+}
+# At the root: the resource's name is the served name by default.
+RULE_ADAPTER_NOT_BASE = {
+    "rule": "!has(self.spec.model.adapters) || self.spec.model.adapters.all(a, a.name != "
+            "(has(self.spec.model.servedName) ? self.spec.model.servedName : self.metadata.name))",
+    "message": "model.adapters: an adapter may not take the base model's served name",
 }
 RULE_MIN_MAX = {
     "rule": "self.minReplicas <= self.maxReplicas",
@@ -179,7 +210,7 @@ def spec_schema() -> dict[str, Any]:
         "type": "object",
         "description": "What to serve.",
         "required": ["source"],
-        "x-kubernetes-validations": [RULE_SOURCE_PATH, RULE_CACHE_SOURCE],
+        "x-kubernetes-validations": [RULE_SOURCE_PATH, RULE_CACHE_SOURCE, RULE_ADAPTER_NAMES, RULE_ADAPTER_PATHS],
         "properties": {
             "source": {
                 "type": "string",
@@ -198,6 +229,25 @@ def spec_schema() -> dict[str, Any]:
                 "properties": {
                     "name": {"type": "string", "maxLength": 253},
                     "key": {"type": "string", "default": "token", "maxLength": 253},
+                },
+            },
+            "adapters": {
+                "type": "array",
+                "description": "LoRA adapters of this model (PEFT directories), served beside it by every group. "
+                               "Present (even empty): the groups run with --enable-lora. Changing the list "
+                               "loads and unloads adapters on the running groups, without a rollout",
+                "maxItems": MAX_ADAPTERS,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+                "items": {
+                    "type": "object",
+                    "required": ["name", "source"],
+                    "properties": {
+                        "name": {"type": "string", "pattern": ADAPTER_NAME_PATTERN, "maxLength": 63,
+                                 "description": "what clients send as `model`"},
+                        "source": {"type": "string", "pattern": ADAPTER_SOURCE_PATTERN, "maxLength": 1024,
+                                   "description": "hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH"},
+                    },
                 },
             },
             "cacheSize": {**_QUANTITY, "description": "size limit of the hf:// download cache (emptyDir)"},
@@ -488,6 +538,31 @@ def status_schema() -> dict[str, Any]:
                     "completionTime": {"type": "string", "format": "date-time"},
                 },
             },
+            "adapters": {
+                "type": "array",
+                "description": "spec.model.adapters: each adapter's state on each group",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "source": {"type": "string"},
+                        "loadedGroups": {"type": "integer", "description": "groups that serve it"},
+                        "cache": {"type": "string", "enum": ["Pending", "Fetching", "Ready", "Failed"],
+                                  "description": "hf:// with model.cache: its download into the shared cache"},
+                        "groups": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "state": {"type": "string", "enum": list(ADAPTER_STATES)},
+                                    "message": {"type": "string"},
+                                },
+                            },
+                        },
+                    },
+                },
+            },
             "autoscaler": {
                 "type": "object",
                 "description": "the autoscaler's state (stabilization window), kept across restarts",
@@ -521,7 +596,7 @@ def crd() -> dict[str, Any]:
     root = {
         "type": "object",
         "description": "A served model: pod groups running `shoal serve`, rolled out and autoscaled.",
-        "x-kubernetes-validations": [RULE_NAME, RULE_NAME_FORMAT],
+        "x-kubernetes-validations": [RULE_NAME, RULE_NAME_FORMAT, RULE_ADAPTER_NOT_BASE],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},

@@ -223,6 +223,124 @@ def model_plan(spec: dict[str, Any], name: str = "") -> dict[str, Any]:
     return plan
 
 
+# ---------------------------------------------------------------- LoRA adapters (spec.model.adapters)
+
+ADAPTER_MOUNT = "/adapters"
+ADAPTER_DOWNLOADS = "adapter-downloads"        # hf:// adapters without the shared cache, fetched at pod start
+ADAPTER_DOWNLOAD_DIR = posixpath.join(ADAPTER_MOUNT, "hf")
+FETCH_ADAPTERS_SCRIPT = (
+    "import os, posixpath\nfrom huggingface_hub import snapshot_download\n"
+    "for repo in os.environ['SHOAL_ADAPTER_REPOS'].split():\n"
+    "    snapshot_download(repo_id=repo, local_dir=posixpath.join(os.environ['SHOAL_ADAPTER_DIR'], repo))\n")
+
+
+def lora_enabled(spec: dict[str, Any]) -> bool:
+    """`model.adapters` present, even empty: the groups run with --enable-lora (part of the
+    revision), so adapters can come and go on them later without a rollout."""
+    return spec["model"].get("adapters") is not None
+
+
+def adapter_cache_key(source: str) -> str:
+    """An hf:// adapter's directory in the shared cache (one download per source)."""
+    return canonical_hash([source, "main"], length=8)
+
+
+def adapter_plan(spec: dict[str, Any], adapter: dict[str, Any]) -> dict[str, Any]:
+    """Where one adapter's files are in a group's pods (`path`) and what the pods need for it:
+    `volume` (a volume that holds it), `claim` (a claim to mount for it), `fetch` (an hf://
+    repo downloaded at pod start), `cacheKey` (its directory in the shared cache, filled by a Job)."""
+    src = adapter["source"]
+    plan: dict[str, Any] = {"name": adapter["name"], "source": src, "path": "", "volume": None,
+                            "claim": None, "fetch": None, "cacheKey": None}
+    if src.startswith("file://"):
+        plan["path"] = src[len("file://"):]
+    elif src.startswith("pvc://"):
+        claim, _, path = src[len("pvc://"):].partition("/")
+        model = spec["model"]["source"]
+        if model.startswith("pvc://") and model[len("pvc://"):].partition("/")[0] == claim:
+            plan.update(path=posixpath.join(MODEL_MOUNT, path), volume="model")   # the model's claim, mounted already
+        else:
+            plan.update(path=posixpath.join(ADAPTER_MOUNT, "pvc", claim, path), claim=claim,
+                        volume=f"adapter-{canonical_hash(claim, length=8)}")
+    elif uses_model_cache(spec):
+        repo, key = src[len("hf://"):], adapter_cache_key(src)
+        plan.update(path=posixpath.join(MODEL_MOUNT, repo, key), volume="model-cache", cacheKey=key)
+    else:
+        repo = src[len("hf://"):]
+        plan.update(path=posixpath.join(ADAPTER_DOWNLOAD_DIR, repo), volume=ADAPTER_DOWNLOADS, fetch=repo)
+    return plan
+
+
+def adapter_plans(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [adapter_plan(spec, a) for a in spec["model"].get("adapters") or []]
+
+
+def adapter_on_pod(plan: dict[str, Any], pod: dict[str, Any]) -> bool:
+    """Whether a running pod can load the adapter: it runs with --enable-lora and has the
+    adapter's files (in the image, on a volume it mounts, or among the repos its init
+    container downloaded). A pod's volumes are fixed at its start, so
+    an adapter on a claim it lacks (or an hf:// one without the shared cache) waits for the
+    group's next start (the StatefulSet's template has it)."""
+    spec = pod.get("spec") or {}
+    if "--enable-lora" not in ((spec.get("containers") or [{}])[0].get("args") or []):
+        return False   # a group of the revision before `adapters` was added: the rollout replaces it
+    if plan["fetch"]:
+        for ic in spec.get("initContainers") or []:
+            for e in ic.get("env") or []:
+                if e.get("name") == "SHOAL_ADAPTER_REPOS" and plan["fetch"] in str(e.get("value", "")).split():
+                    return True
+        return False
+    if plan["volume"]:
+        return any(v.get("name") == plan["volume"] for v in spec.get("volumes") or [])
+    return True
+
+
+def _adapter_pod_parts(spec: dict[str, Any]) -> dict[str, Any]:
+    """What the adapters add to a group's pods: volumes, mounts, an init container."""
+    plans = adapter_plans(spec)
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for plan in plans:
+        if plan["claim"] and not any(v["name"] == plan["volume"] for v in volumes):
+            volumes.append({"name": plan["volume"], "persistentVolumeClaim": {"claimName": plan["claim"], "readOnly": True}})
+            mounts.append({"name": plan["volume"], "mountPath": posixpath.join(ADAPTER_MOUNT, "pvc", plan["claim"]),
+                           "readOnly": True})
+    repos = [p["fetch"] for p in plans if p["fetch"]]
+    init: list[dict[str, Any]] = []
+    if repos:
+        volumes.append({"name": ADAPTER_DOWNLOADS, "emptyDir": {}})
+        mounts.append({"name": ADAPTER_DOWNLOADS, "mountPath": ADAPTER_DOWNLOAD_DIR, "readOnly": True})
+        env = [{"name": "HF_HOME", "value": posixpath.join(ADAPTER_DOWNLOAD_DIR, ".hf")},
+               {"name": "SHOAL_ADAPTER_REPOS", "value": " ".join(repos)},
+               {"name": "SHOAL_ADAPTER_DIR", "value": ADAPTER_DOWNLOAD_DIR}]
+        secret = spec["model"].get("tokenSecret")
+        if secret:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": secret["name"], "key": secret.get("key", "token")}}})
+        init.append({"name": "fetch-adapters", "command": ["python3", "-c", FETCH_ADAPTERS_SCRIPT], "env": env,
+                     "volumeMounts": [{"name": ADAPTER_DOWNLOADS, "mountPath": ADAPTER_DOWNLOAD_DIR}]})
+    return {"volumes": volumes, "mounts": mounts, "init": init}
+
+
+def lora_args(spec: dict[str, Any]) -> list[str]:
+    """--enable-lora and the adapters a pod starts with: all but those in the shared cache,
+    whose Job may still be downloading (the operator loads them once it is done)."""
+    if not lora_enabled(spec):
+        return []
+    plans = [p for p in adapter_plans(spec) if not p["cacheKey"]]
+    return ["--enable-lora"] + (["--lora-modules"] + [f"{p['name']}={p['path']}" for p in plans] if plans else [])
+
+
+def without_adapter_list(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with `model.adapters` emptied (kept present: --enable-lora stays): what the
+    revision is hashed from, so that changing the list rolls no group."""
+    if not body["spec"]["model"].get("adapters"):
+        return body
+    out = copy.deepcopy(body)
+    out["spec"]["model"]["adapters"] = []
+    return out
+
+
 # ---------------------------------------------------------------- pods
 
 def serve_args(body: dict[str, Any], model_arg: str) -> list[str]:
@@ -244,7 +362,7 @@ def serve_args(body: dict[str, Any], model_arg: str) -> list[str]:
         "--scheduling-policy", eng["schedulingPolicy"],
         "--drain-timeout", str(eng["drainTimeoutSeconds"]),
     ]
-    return args + list(eng.get("extraArgs") or [])
+    return args + lora_args(spec) + list(eng.get("extraArgs") or [])
 
 
 def container_resources(spec: dict[str, Any]) -> dict[str, Any]:
@@ -307,6 +425,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
     par = spec["parallelism"]
     user = spec.get("podTemplate") or {}
     model = model_plan(spec, name)
+    adapters = _adapter_pod_parts(spec)
 
     env: list[dict[str, Any]] = [
         {"name": "SHOAL_PIPELINE_RANK", "valueFrom": {"fieldRef": {
@@ -342,7 +461,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         **_probes(startup_period=10, startup_seconds=STARTUP_SECONDS, startup_timeout=5),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]
                         + [{"name": v, "mountPath": path} for v, path in WRITABLE_DIRS]
-                        + model["mounts"] + list(user.get("volumeMounts") or []),
+                        + model["mounts"] + adapters["mounts"] + list(user.get("volumeMounts") or []),
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -352,7 +471,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         container["imagePullPolicy"] = user["imagePullPolicy"]
 
     init: list[dict[str, Any]] = []
-    for ic in model["init"]:
+    for ic in model["init"] + adapters["init"]:
         mounts = list(ic.get("volumeMounts") or []) + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS]
         init.append({**ic, "volumeMounts": mounts, "image": container["image"],
                      "securityContext": container["securityContext"],
@@ -383,7 +502,7 @@ def pod_template(body: dict[str, Any], group: str | None, cluster_domain: str = 
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_limit}}]
                    + [{"name": v, "emptyDir": {"sizeLimit": WRITABLE_DIR_SIZE}} for v, _ in WRITABLE_DIRS]
-                   + model["volumes"] + list(user.get("volumes") or []),
+                   + model["volumes"] + adapters["volumes"] + list(user.get("volumes") or []),
         # The runtime talks to no Kubernetes API: no token in its pods.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain + GRACE_MARGIN_SECONDS,
@@ -441,8 +560,9 @@ def placement_affinity(place: dict[str, Any], group: str) -> dict[str, list[dict
 
 
 def revision_hash(body: dict[str, Any]) -> str:
-    """Hash of everything that reaches a pod (the group-independent pod template)."""
-    return canonical_hash(pod_template(body, group=None), length=8)
+    """Hash of everything that reaches a pod (the group-independent pod template), but the
+    adapter list: adapters are loaded and unloaded on running groups instead."""
+    return canonical_hash(pod_template(without_adapter_list(body), group=None), length=8)
 
 
 # ---------------------------------------------------------------- objects
@@ -511,9 +631,18 @@ def model_cache_pvc(body: dict[str, Any]) -> dict[str, Any]:
 
 def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
     """The Job that downloads the current (source, revision) into the shared cache, once."""
+    spec = body["spec"]
+    return _fetch_job(body, spec["model"]["source"][len("hf://"):], spec["model"], model_cache_key(spec))
+
+
+def adapter_fetch_job(body: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
+    """The Job that downloads an hf:// adapter into the shared cache, once (its `main`)."""
+    model = {**body["spec"]["model"], "revision": "main"}   # the model's token, the adapter's revision
+    return _fetch_job(body, plan["source"][len("hf://"):], model, plan["cacheKey"])
+
+
+def _fetch_job(body: dict[str, Any], repo: str, model: dict[str, Any], key: str) -> dict[str, Any]:
     name, spec = body["metadata"]["name"], body["spec"]
-    key = model_cache_key(spec)
-    repo = spec["model"]["source"][len("hf://"):]
     tpl = pod_template(body, None)["spec"]
     user = spec.get("podTemplate") or {}
     pod: dict[str, Any] = {
@@ -525,7 +654,7 @@ def model_fetch_job(body: dict[str, Any]) -> dict[str, Any]:
             "name": "fetch-model",
             "image": defaults.image_for(spec),
             "command": ["python3", "-c", FETCH_SCRIPT],
-            "env": _fetch_env(spec["model"], repo, posixpath.join(MODEL_MOUNT, repo, key)),
+            "env": _fetch_env(model, repo, posixpath.join(MODEL_MOUNT, repo, key)),
             "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_MOUNT}]
                             + [{"name": v, "mountPath": p} for v, p in WRITABLE_DIRS],
             "securityContext": tpl["containers"][0]["securityContext"],
@@ -916,6 +1045,7 @@ class Desired:
     router: tuple[str, dict[str, str]] | None  # mode shoal: the router Deployment's name, its pods' labels
     cache_key: str | None                     # with the shared model cache: what it must hold
     companion_kinds: tuple[tuple[str, str], ...] = COMPANION_KINDS
+    adapters: list[dict[str, Any]] | None = None   # with model.adapters: adapter_plan of each
 
     def group(self, index: int) -> list[dict[str, Any]]:
         """A group's objects in the order to create them: companions first, the StatefulSet last."""
@@ -924,6 +1054,9 @@ class Desired:
 
     def fetch_job(self) -> dict[str, Any]:
         return model_fetch_job(self.body)
+
+    def adapter_fetch_job(self, plan: dict[str, Any]) -> dict[str, Any]:
+        return adapter_fetch_job(self.body, plan)
 
 
 def desired(body: dict[str, Any], cluster_domain: str = "cluster.local") -> Desired:
@@ -939,7 +1072,8 @@ def desired(body: dict[str, Any], cluster_domain: str = "cluster.local") -> Desi
         url=None if mode == "inferencePool" else
         serving_url(name, body["metadata"].get("namespace") or "default", cluster_domain),
         router=(router_name(name), router_selector_labels(name)) if mode == "shoal" else None,
-        cache_key=model_cache_key(spec) if uses_model_cache(spec) else None)
+        cache_key=model_cache_key(spec) if uses_model_cache(spec) else None,
+        adapters=adapter_plans(spec) if lora_enabled(spec) else None)
 
 
 def render_all(body: dict[str, Any], cluster_domain: str = "cluster.local") -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Reading a group leader's queue depth from its Prometheus metrics (docs/design.md: a
 group's queue depth is shoal_num_requests_running + shoal_num_requests_waiting), and the
-requests a Shoal router holds while no group is ready (shoal_router_pending_requests)."""
+requests a Shoal router holds while no group is ready (shoal_router_pending_requests); a
+pod's HTTP address (pod_url: the group leaders' LoRA endpoints are called there too)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def pending_requests(text: str) -> float:
 
 
 def metrics_url(pod: dict[str, Any]) -> str | None:
+    base = pod_url(pod)
+    return base + "/metrics" if base else None
+
+
+def pod_url(pod: dict[str, Any]) -> str | None:
+    """http://IP:PORT of a pod's `http` port (its runtime's API), None before it has an IP."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
@@ -48,4 +55,4 @@ def metrics_url(pod: dict[str, Any]) -> str | None:
             if p.get("name") == "http":
                 port = p.get("containerPort", port)
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}/metrics"
+    return f"http://{host}:{port}"

@@ -96,8 +96,10 @@ def build(
     url: str | None = None,
     model_cache: Mapping[str, Any] | None = None,
     router: Mapping[str, Any] | None = None,
+    adapters: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """`router`: mode shoal only, {readyReplicas, replicas, pendingRequests} of the router pods."""
+    """`router`: mode shoal only, {readyReplicas, replicas, pendingRequests} of the router pods.
+    `adapters`: with `model.adapters`, status.adapters (adapter_status)."""
     spec = body["spec"]
     prev = body.get("status") or {}
     generation = body["metadata"].get("generation")
@@ -208,10 +210,46 @@ def build(
         status["autoscaler"] = dict(autoscaler)
     if model_cache is not None:
         status["modelCache"] = dict(model_cache)
+    if adapters is not None:
+        status["adapters"] = [dict(a) for a in adapters]
     if router is not None:
         status["router"] = {"readyReplicas": int(router.get("readyReplicas") or 0),
                             "pendingRequests": int(round(float(router.get("pendingRequests") or 0)))}
     return status
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+def adapter_changes(wanted: Mapping[str, str], known: set[str] | frozenset[str],
+                    loaded: Mapping[str, str]) -> tuple[list[tuple[str, str, bool]], list[str]]:
+    """What to ask a group's leader: (loads as (name, path, in place), unloads).
+
+    `wanted`: name -> path of the adapters this group can load now; `known`: every adapter
+    name in the spec (one the group cannot load yet is kept if loaded, never unloaded);
+    `loaded`: name -> path of the adapters the leader serves (its /v1/models)."""
+    loads = [(n, path, n in loaded) for n, path in sorted(wanted.items()) if loaded.get(n) != path]
+    unloads = sorted(n for n in loaded if n not in known)
+    return loads, unloads
+
+
+def adapter_status(plans: Sequence[Mapping[str, Any]], states: Mapping[str, Mapping[str, tuple[str, str]]],
+                   cache: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """status.adapters: per adapter of the spec, its state on each live group.
+
+    `states`: group -> adapter name -> (state, message); `cache`: adapter name -> the
+    shared cache's phase for it (hf:// with model.cache)."""
+    out = []
+    for plan in plans:
+        groups = []
+        for group in sorted(states):
+            state, message = states[group].get(plan["name"], ("Pending", "not looked at yet"))
+            groups.append({"name": group, "state": state, **({"message": message} if message else {})})
+        entry: dict[str, Any] = {"name": plan["name"], "source": plan["source"],
+                                 "loadedGroups": sum(g["state"] == "Loaded" for g in groups), "groups": groups}
+        if cache and plan["name"] in cache:
+            entry["cache"] = cache[plan["name"]]
+        out.append(entry)
+    return out
 
 
 def same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

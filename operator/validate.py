@@ -45,6 +45,7 @@ def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[
         out.append(crd.RULE_CACHE_SOURCE["message"])
     if _NEGATIVE.match(str((spec["model"].get("cache") or {}).get("size", ""))):
         out.append("model.cache.size is negative")
+    out += adapter_problems(body)
     for arg in spec["engine"].get("extraArgs") or []:
         if re.match(crd.RESERVED_FLAG_PATTERN, arg):
             out.append(f"engine.extraArgs {arg!r}: " + crd.RULE_EXTRA_ARGS["message"])
@@ -53,7 +54,7 @@ def problems(body: dict[str, Any], allow_service_account: bool = False) -> list[
         out.append("podTemplate.serviceAccountName: this operator chooses the pods' service account "
                    "(its admin can allow it with --allow-pod-service-account)")
     for v in tpl.get("volumes") or []:
-        if v.get("name") in crd.RESERVED_VOLUMES:
+        if v.get("name") in crd.RESERVED_VOLUMES or str(v.get("name", "")).startswith(crd.RESERVED_VOLUME_PREFIX):
             out.append(f"podTemplate.volumes {v.get('name')!r}: " + crd.RULE_VOLUMES["message"])
     for m in tpl.get("volumeMounts") or []:
         path = str(m.get("mountPath", "")).rstrip("/")
@@ -94,4 +95,32 @@ def replica_problems(spec: dict[str, Any]) -> list[str]:
     lo, hi = auto.get("minReplicas"), auto.get("maxReplicas")
     if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
         out.append(crd.RULE_MIN_MAX["message"])
+    return out
+
+
+def adapter_problems(body: dict[str, Any]) -> list[str]:
+    """spec.model.adapters: known source schemes, no '..', each name once, not the base model's."""
+    model = body["spec"]["model"]
+    adapters = model.get("adapters")
+    if adapters is None:
+        return []
+    if not isinstance(adapters, list):
+        return ["model.adapters must be a list of {name, source}"]
+    out = []
+    names = [a.get("name") if isinstance(a, dict) else None for a in adapters]
+    base = model.get("servedName") or body["metadata"].get("name")
+    for a, name in zip(adapters, names):
+        source = str((a or {}).get("source", "")) if isinstance(a, dict) else ""
+        if not isinstance(name, str) or not re.match(crd.ADAPTER_NAME_PATTERN, name) or len(name) > 63:
+            out.append(f"model.adapters: name {name!r} must match {crd.ADAPTER_NAME_PATTERN} (at most 63 characters)")
+        if not re.match(crd.ADAPTER_SOURCE_PATTERN, source):
+            out.append(f"model.adapters {name}: source {source!r} must be hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH")
+        elif re.match(r"^(pvc|file)://(.*/)?[.][.](/.*)?$", source):
+            out.append(f"model.adapters {name}: " + crd.RULE_ADAPTER_PATHS["message"])
+        if name == base:
+            out.append(f"model.adapters {name}: " + crd.RULE_ADAPTER_NOT_BASE["message"])
+    if len(set(n for n in names if isinstance(n, str))) != len([n for n in names if isinstance(n, str)]):
+        out.append(crd.RULE_ADAPTER_NAMES["message"])
+    if len(adapters) > crd.MAX_ADAPTERS:
+        out.append(f"model.adapters: at most {crd.MAX_ADAPTERS}")
     return out

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
 import pathlib
+import threading
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -117,3 +122,87 @@ def merge(dst: dict, patch: dict) -> dict:
         else:
             dst[k] = v
     return dst
+
+
+class FakeLeader(http.server.BaseHTTPRequestHandler):
+    """One group leader's LoRA endpoints over HTTP, in vLLM's (and `shoal serve`'s) shapes:
+    GET /v1/models (adapters with `parent` and their path as `root`), POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter. It starts with the pod's own
+    `--lora-modules`, and refuses a path with no adapter_config.json (404) and a name
+    already loaded (400), as the runtime does."""
+    adapters: dict[str, str]
+    calls: list[tuple[str, str]]
+    check_files = True
+
+    def _reply(self, code: int, body: Any) -> None:
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        if self.path != "/v1/models":
+            return self._reply(404, {"error": {"message": "no such route"}})
+        cards = [{"id": "demo", "object": "model", "root": "builtin://smollm2-135m-instruct", "parent": None}]
+        cards += [{"id": n, "object": "model", "root": p, "parent": "demo"} for n, p in sorted(self.adapters.items())]
+        self._reply(200, {"object": "list", "data": cards})
+
+    def do_POST(self):  # noqa: N802
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        name = req["lora_name"]
+        self.calls.append((self.path, name))
+        if self.path == "/v1/load_lora_adapter":
+            if name in self.adapters and not req.get("load_inplace"):
+                return self._reply(400, {"error": {"message": f"an adapter named {name!r} is already loaded"}})
+            if self.check_files and not os.path.exists(os.path.join(req["lora_path"], "adapter_config.json")):
+                return self._reply(404, {"error": {"message": f"no PEFT adapter at {req['lora_path']!r}"}})
+            self.adapters[name] = req["lora_path"]
+            return self._reply(200, f"Success: LoRA adapter '{name}' added successfully.")
+        if self.path == "/v1/unload_lora_adapter":
+            if self.adapters.pop(name, None) is None:
+                return self._reply(404, {"error": {"message": f"no adapter named {name!r} is loaded"}})
+            return self._reply(200, f"Success: LoRA adapter '{name}' removed successfully.")
+        self._reply(404, {"error": {"message": "no such route"}})
+
+    def log_message(self, *args):
+        pass
+
+
+class FakeLeaders:
+    """A FakeLeader server per leader pod (by pod uid: a recreated pod would be a new one)."""
+
+    def __init__(self, check_files: bool = True):
+        self.check_files = check_files
+        self.servers: dict[str, tuple[http.server.ThreadingHTTPServer, type]] = {}
+
+    def url(self, pod: dict) -> str | None:
+        if not (pod.get("status") or {}).get("podIP"):
+            return None
+        uid = pod["metadata"].get("uid") or pod["metadata"]["name"]
+        if uid not in self.servers:
+            args = pod["spec"]["containers"][0]["args"]
+            start = {}
+            if "--lora-modules" in args:   # what `shoal serve --lora-modules NAME=PATH ...` starts with
+                for a in args[args.index("--lora-modules") + 1:]:
+                    if a.startswith("--"):
+                        break
+                    n, _, p = a.partition("=")
+                    start[n] = p
+            handler = type("Leader", (FakeLeader,), {"adapters": start, "calls": [], "check_files": self.check_files})
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            self.servers[uid] = (server, handler)
+        return f"http://127.0.0.1:{self.servers[uid][0].server_address[1]}"
+
+    def close(self):
+        for server, _ in self.servers.values():
+            server.shutdown()
+
+
+def make_adapter(root, name: str) -> str:
+    """A directory the fake leader accepts (it looks for adapter_config.json, as the runtime does)."""
+    d = root / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    return str(d)

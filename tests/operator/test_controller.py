@@ -529,3 +529,108 @@ def test_a_name_still_draining_is_not_counted_as_created(world):
     c.trigger("default", "demo")
     assert [r for _, r, _ in events].count("GroupCreated") == 1
     assert status(kube)["replicas"] == 1 and [g["name"] for g in status(kube)["groups"]] == [gname]
+
+
+# ---------------------------------------------------------------- LoRA adapters (issue 31)
+
+@pytest.fixture
+def lora_server(tmp_path, builtin_dir, monkeypatch):
+    """A real `shoal serve --enable-lora` (tiny random model, PEFT adapters made by PEFT) that
+    starts with a0, as a group's leader would from its --lora-modules."""
+    from engine_helpers import make_lora_models, make_peft_adapter
+    from shoal_op_helpers import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "server"))
+    from server_helpers import start_server
+
+    base, adapters = make_lora_models(tmp_path, builtin_dir, count=2)
+    adapters["big"] = make_peft_adapter(base, tmp_path / "big", seed=9, r=32, lora_alpha=32, target_modules=["q_proj"])
+    server = start_server([str(base), "--served-model-name", "demo", "--enable-lora", "--max-loras", "2",
+                           "--max-lora-rank", "16", "--lora-modules", f"a0={adapters['a0']}"])
+    yield server, base, {k: str(v) for k, v in adapters.items()}
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+def test_adapters_are_loaded_into_and_unloaded_from_a_real_server(world, lora_server, monkeypatch):
+    import httpx
+
+    kube, c, clock, events, _ = world
+    server, base, paths = lora_server
+    monkeypatch.setattr(scrape, "pod_url", lambda pod: server.base_url if pod["status"].get("podIP") else None)
+
+    def served():
+        cards = httpx.get(server.v1 + "/models").json()["data"]
+        return {m["id"]: m["root"] for m in cards if m.get("parent")}
+
+    def states():
+        return {a["name"]: [(g["state"], g.get("message", "")) for g in a["groups"]] for a in status(kube)["adapters"]}
+
+    idf(kube, model={"source": f"file://{base}", "adapters": [
+        {"name": "a0", "source": f"file://{paths['a0']}"}, {"name": "a1", "source": f"file://{paths['a1']}"}]})
+    c.trigger("default", "demo")
+    assert states() == {"a0": [("Pending", "the group is not ready")], "a1": [("Pending", "the group is not ready")]}
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    assert served() == {"a0": paths["a0"], "a1": paths["a1"]}
+    assert states() == {"a0": [("Loaded", "")], "a1": [("Loaded", "")]}
+    assert [m for _, r, m in events if r.startswith("Adapter")] == \
+        [f"loaded adapter a1 ({paths['a1']}) on group {next(iter(kube.of_kind('StatefulSet')))}"]
+    groups = set(kube.of_kind("StatefulSet"))
+
+    # a0 out, a rank the server refuses in: an event-driven round (the list changed) does it
+    body = kube.objects[("InferenceDeployment", "default", "demo")]
+    body["spec"]["model"]["adapters"] = [{"name": "a1", "source": f"file://{paths['a1']}"},
+                                         {"name": "big", "source": f"file://{paths['big']}"}]
+    c.trigger("default", "demo")
+    assert served() == {"a1": paths["a1"]}
+    (big,) = states()["big"]
+    assert big[0] == "Failed" and big[1].startswith("400: ") and "--max-lora-rank 16" in big[1], big
+    assert states()["a1"] == [("Loaded", "")] and "a0" not in states()
+    assert set(kube.of_kind("StatefulSet")) == groups                   # no group replaced
+    reply = httpx.post(server.v1 + "/completions", json={"model": "a1", "prompt": "The sea", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["model"] == "a1"
+    assert httpx.post(server.v1 + "/completions", json={"model": "a0", "prompt": "x", "max_tokens": 1}).status_code == 404
+    # the refusal is reported once, not at every round
+    c.trigger("default", "demo", scrape=True)
+    assert [r for _, r, _ in events].count("AdapterFailed") == 1
+
+
+def test_adapters_in_the_shared_cache_load_once_their_job_is_done(world, monkeypatch):
+    from shoal_op_helpers import FakeLeaders
+
+    kube, c, clock, events, _ = world
+    leaders = FakeLeaders(check_files=False)
+    monkeypatch.setattr(scrape, "pod_url", leaders.url)
+    idf(kube, model={"source": "hf://org/name", "cache": {"enabled": True},
+                     "adapters": [{"name": "sql", "source": "hf://org/sql-lora"}]})
+    c.trigger("default", "demo")
+    jobs = kube.of_kind("Job")
+    assert len(jobs) == 2                                       # the model's and the adapter's, side by side
+    (plan,) = render.adapter_plans(kube.objects[("InferenceDeployment", "default", "demo")]["spec"])
+    adapter_job = f"demo-fetch-{plan['cacheKey']}"
+    assert adapter_job in jobs
+    for name in jobs:
+        kube.objects[("Job", "default", name)]["status"] = {"active": 1}
+    c.trigger("default", "demo")
+    kube.objects[("Job", "default", next(n for n in jobs if n != adapter_job))]["status"] = {"succeeded": 1}
+    c.trigger("default", "demo")
+    kube.run_statefulsets()
+    c.trigger("default", "demo", scrape=True)
+    (sql,) = status(kube)["adapters"]
+    assert sql["cache"] == "Fetching" and [g["state"] for g in sql["groups"]] == ["Fetching"]
+    assert [h.calls for _, h in leaders.servers.values()] == [[]]   # nothing asked of the leader yet
+    kube.objects[("Job", "default", adapter_job)]["status"] = {"failed": 5, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}
+    c.trigger("default", "demo", scrape=True)
+    (sql,) = status(kube)["adapters"]
+    assert sql["cache"] == "Failed" and [g["state"] for g in sql["groups"]] == ["Failed"]
+    kube.objects[("Job", "default", adapter_job)]["status"] = {"succeeded": 1}   # retried (deleted and run again)
+    c.trigger("default", "demo", scrape=True)
+    (sql,) = status(kube)["adapters"]
+    assert sql["cache"] == "Ready" and sql["loadedGroups"] == 1
+    ((_, leader),) = leaders.servers.values()
+    assert leader.calls == [("/v1/load_lora_adapter", "sql")] and leader.adapters == {"sql": plan["path"]}
+    del kube.objects[("Job", "default", adapter_job)]           # gone (TTL): Ready is remembered, not fetched again
+    c.trigger("default", "demo", scrape=True)
+    assert adapter_job not in kube.of_kind("Job") and status(kube)["adapters"][0]["cache"] == "Ready"
+    leaders.close()

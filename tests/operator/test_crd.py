@@ -181,6 +181,24 @@ BAD = {
                                     "volumeMounts": [{"name": "t", "mountPath": "/tmp"}]}},
     "pvc with a model cache": {"model": {"source": "pvc://models/x", "cache": {"enabled": True}}},
     "negative cache size": {"model": {"source": "hf://org/m", "cache": {"enabled": True, "size": "-1Gi"}}},
+    # issue 31: LoRA adapters
+    "adapter s3": {"model": {"source": "builtin://smollm2-135m-instruct",
+                             "adapters": [{"name": "sql", "source": "s3://bucket/sql"}]}},
+    "adapter builtin": {"model": {"source": "builtin://smollm2-135m-instruct",
+                                  "adapters": [{"name": "sql", "source": "builtin://smollm2-135m-instruct"}]}},
+    "adapter pvc without path": {"model": {"source": "hf://org/m", "adapters": [{"name": "sql", "source": "pvc://ads"}]}},
+    "adapter twice": {"model": {"source": "hf://org/m", "adapters": [{"name": "sql", "source": "hf://org/sql"},
+                                                                    {"name": "sql", "source": "hf://org/sql2"}]}},
+    "adapter ..": {"model": {"source": "hf://org/m", "adapters": [{"name": "sql", "source": "pvc://ads/../etc"}]}},
+    "adapter named as the model": {"model": {"source": "hf://org/m", "adapters": [{"name": "demo",
+                                                                                   "source": "hf://org/sql"}]}},
+    "adapter named as servedName": {"model": {"source": "hf://org/m", "servedName": "llama",
+                                              "adapters": [{"name": "llama", "source": "hf://org/sql"}]}},
+    "adapter name with =": {"model": {"source": "hf://org/m", "adapters": [{"name": "a=b", "source": "hf://org/sql"}]}},
+    "adapter without source": {"model": {"source": "hf://org/m", "adapters": [{"name": "sql"}]}},
+    "adapter volume name": {"podTemplate": {"volumes": [{"name": "adapter-1", "emptyDir": {}}]}},
+    "adapter mount": {"podTemplate": {"volumes": [{"name": "a", "emptyDir": {}}],
+                                      "volumeMounts": [{"name": "a", "mountPath": "/adapters"}]}},
 }
 
 GOOD = {
@@ -196,6 +214,10 @@ GOOD = {
     "interval 10s": {"monitoring": {"interval": "10s"}},
     "cacheSize": {"model": {"source": "hf://org/m", "cacheSize": "20Gi"}},
     "model cache": {"model": {"source": "hf://org/m", "cache": {"enabled": True, "accessMode": "ReadWriteOnce"}}},
+    "adapters": {"model": {"source": "hf://org/m", "servedName": "llama", "adapters": [
+        {"name": "sql", "source": "hf://org/sql-lora"}, {"name": "chat.v2", "source": "pvc://adapters/chat/v2"},
+        {"name": "demo-x", "source": "file:///opt/adapters/x"}]}},
+    "no adapters yet": {"model": {"source": "hf://org/m", "adapters": []}},
 }
 
 
@@ -238,3 +260,22 @@ def test_dns_label_names_pass(name):
 def test_known_sources_pass(source):
     assert re.match(crd.SOURCE_PATTERN, source)
     validate_resource(make_body(model={"source": source}))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("adapter twice", crd.RULE_ADAPTER_NAMES["message"]),
+    ("adapter ..", crd.RULE_ADAPTER_PATHS["message"]),
+    ("adapter named as the model", crd.RULE_ADAPTER_NOT_BASE["message"]),
+    ("adapter named as servedName", crd.RULE_ADAPTER_NOT_BASE["message"]),
+])
+def test_adapter_rules_are_the_ones_that_refuse(case, message):
+    # These pass the schema: the CEL rule (run by cel-python) is what refuses them.
+    body = defaults.apply_defaults(make_body(**BAD[case]), crd.openapi_schema())
+    jsonschema.validate(body, to_jsonschema(crd.openapi_schema()))
+    assert message in cel_errors(body, crd.openapi_schema())
+
+
+def test_adapter_names_are_a_map_list():
+    # The API server itself refuses a duplicate key of a map list, before any CEL rule.
+    adapters = crd.openapi_schema()["properties"]["spec"]["properties"]["model"]["properties"]["adapters"]
+    assert adapters["x-kubernetes-list-type"] == "map" and adapters["x-kubernetes-list-map-keys"] == ["name"]

@@ -197,6 +197,11 @@ class ClusterPlayer:
         stss = {s["metadata"]["name"]: s for s in stored(k, "statefulsets")}
         self.statefulsets_seen |= set(stss)
         for name, sts in stss.items():
+            if not sts["metadata"].get("uid"):   # the API server's: set once, on create
+                uid = f"uid-{name}-{time.monotonic_ns()}"
+                async with k.patch(f"{STS}/{name}", json={"metadata": {"uid": uid}}) as resp:
+                    assert resp.status == 200, await resp.text()
+                sts["metadata"]["uid"] = uid
             if self.hold_deletions and not sts["metadata"].get("finalizers"):
                 async with k.patch(f"{STS}/{name}", json={"metadata": {"finalizers": ["foregroundDeletion"]}}) as resp:
                     assert resp.status == 200, await resp.text()
@@ -641,3 +646,109 @@ async def test_a_scale_up_while_groups_drain_takes_new_names(cluster):
                    and r.resource.plural == "events" and r.data.get("reason") == "GroupCreated"]
         named = sorted(m.split()[2] for m in created)   # "created group NAME (revision R)"
         assert named == sorted(player.statefulsets_seen), created
+
+
+# ---------------------------------------------------------------- LoRA adapters (issue 31)
+
+async def test_adapters_come_and_go_on_running_groups_without_a_rollout(cluster, monkeypatch, tmp_path):
+    """Issue 31: an adapter added to and removed from a running deployment is loaded and
+    unloaded on the groups' leaders over HTTP; no group is replaced, status says where each is."""
+    from shoal.operator import scrape
+    from shoal_op_helpers import FakeLeaders, make_adapter
+
+    leaders = FakeLeaders()
+    monkeypatch.setattr(scrape, "pod_url", leaders.url)
+    sql, chat = make_adapter(tmp_path, "sql"), make_adapter(tmp_path, "chat")
+    k = cluster
+    player = ClusterPlayer(k)
+
+    def adapters(*pairs):
+        return {"source": "builtin://smollm2-135m-instruct", "revision": "main",
+                "adapters": [{"name": n, "source": f"file://{p}"} for n, p in pairs]}
+
+    def leader_state() -> dict[str, dict[str, str]]:
+        out = {}
+        for pod in stored(k, "pods"):
+            if pod["metadata"]["labels"].get(render.L_POD_INDEX) == "0" and pod["metadata"]["uid"] in leaders.servers:
+                out[pod["metadata"]["labels"][render.L_GROUP]] = dict(leaders.servers[pod["metadata"]["uid"]][1].adapters)
+        return out
+
+    def calls() -> list[tuple[str, str, str]]:
+        return sorted((h.__name__, path, n) for _, h in leaders.servers.values() for path, n in h.calls)
+
+    def group_events() -> list[str]:
+        return [r.data.get("reason") for r in list(k) if r.method == "POST" and r.resource is not None
+                and r.resource.plural == "events" and str(r.data.get("reason", "")).startswith("Group")]
+
+    async def adapters_are(want: dict[str, str], generation: int):
+        st = ((await get(k, f"{IDF}/demo")) or {}).get("status") or {}
+        listed = {a["name"]: (a["loadedGroups"], {g["state"] for g in a["groups"]}) for a in st.get("adapters") or []}
+        return st.get("observedGeneration") == generation and st.get("readyReplicas") == 2 \
+            and listed == {n: (2 if s == "Loaded" else 0, {s}) for n, s in want.items()} and st
+
+    try:
+        async with operator_running():
+            play = asyncio.create_task(player.run())
+            try:
+                async with k.post(IDF, json=idf(replicas=2, model=adapters(("sql", sql)))) as resp:
+                    assert resp.status in (200, 201)
+                # The groups start with it (--enable-lora --lora-modules sql=PATH): nothing to load.
+                st = await eventually(lambda: adapters_are({"sql": "Loaded"}, 1), timeout=60)
+                assert calls() == []
+                groups = sorted(g["name"] for g in st["groups"])
+                assert set(leader_state()) == set(groups) and all(a == {"sql": sql} for a in leader_state().values())
+
+                def identity():
+                    stss = stored(k, "statefulsets")
+                    return (sorted((s["metadata"]["name"], s["metadata"]["uid"],
+                                    s["metadata"]["labels"][render.L_REVISION]) for s in stss),
+                            sorted((p["metadata"]["name"], p["metadata"]["uid"]) for p in stored(k, "pods")))
+                before = identity()
+                assert len(before[0]) == 2 and len(before[1]) == 2
+                revision = st["revision"]
+                created = group_events()
+                assert created == ["GroupCreated", "GroupCreated"]
+
+                # Added: loaded on each running leader, nothing replaced.
+                patch = {"metadata": {"generation": 2}, "spec": {"model": adapters(("sql", sql), ("chat", chat))}}
+                async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                    assert resp.status == 200
+                st = await eventually(lambda: adapters_are({"sql": "Loaded", "chat": "Loaded"}, 2), timeout=60)
+                assert all(a == {"sql": sql, "chat": chat} for a in leader_state().values())
+                assert [c[1:] for c in calls()] == [("/v1/load_lora_adapter", "chat")] * 2
+                assert st["revision"] == revision and identity() == before and group_events() == created
+
+                # A bad one: the leader's refusal is that group's state, with its reason; the rest serve on.
+                patch = {"metadata": {"generation": 3}, "spec": {"model": adapters(
+                    ("sql", sql), ("chat", chat), ("gone", str(tmp_path / "nothing-here")))}}
+                async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                    assert resp.status == 200
+                st = await eventually(lambda: adapters_are({"sql": "Loaded", "chat": "Loaded", "gone": "Failed"}, 3),
+                                      timeout=60)
+                gone = next(a for a in st["adapters"] if a["name"] == "gone")
+                assert all("404" in g["message"] and "no PEFT adapter" in g["message"] for g in gone["groups"])
+
+                # Removed: unloaded from each leader, nothing replaced.
+                patch = {"metadata": {"generation": 4}, "spec": {"model": adapters(("chat", chat))}}
+                async with k.patch(f"{IDF}/demo", json=patch) as resp:
+                    assert resp.status == 200
+                st = await eventually(lambda: adapters_are({"chat": "Loaded"}, 4), timeout=60)
+                assert all(a == {"chat": chat} for a in leader_state().values())
+                assert [c[1:] for c in calls() if "unload" in c[1]] == [("/v1/unload_lora_adapter", "sql")] * 2
+                assert st["revision"] == revision and identity() == before and group_events() == created
+                assert sorted(g["name"] for g in st["groups"]) == groups
+
+                # The groups' StatefulSets (OnDelete: their pods stay) follow the list on a resync,
+                # so a group that restarts starts with what the spec says.
+                async def templates_follow():
+                    stss = stored(k, "statefulsets")
+                    argss = [s["spec"]["template"]["spec"]["containers"][0]["args"] for s in stss]
+                    return all(f"chat={chat}" in a for a in argss) and stss
+                stss = await eventually(templates_follow, timeout=30)
+                assert all(s["spec"]["updateStrategy"] == {"type": "OnDelete"} for s in stss)
+                assert identity() == before and group_events() == created
+            finally:
+                player.stop = True
+                await play
+    finally:
+        leaders.close()

@@ -53,6 +53,12 @@ SPECS = {
     "hf-cache": {"model": {"source": "hf://org/name", "revision": "v2", "tokenSecret": {"name": "hf"},
                            "cache": {"enabled": True, "size": "40Gi", "storageClassName": "nfs"}},
                  "parallelism": {"pipeline": 2}, "podTemplate": {"nodeSelector": {"pool": "gpu"}}},
+    "adapters": {"model": {"source": "pvc://models/llama/8b", "tokenSecret": {"name": "hf"}, "adapters": [
+        {"name": "sql", "source": "hf://org/sql-lora"}, {"name": "chat", "source": "pvc://adapters/chat"},
+        {"name": "same-claim", "source": "pvc://models/loras/x"}, {"name": "baked", "source": "file:///opt/a"}]},
+        "parallelism": {"pipeline": 2}},
+    "adapters-cache": {"model": {"source": "hf://org/name", "cache": {"enabled": True}, "adapters": [
+        {"name": "sql", "source": "hf://org/sql-lora"}, {"name": "chat", "source": "pvc://adapters/chat"}]}},
 }
 
 
@@ -456,3 +462,114 @@ def test_the_cpu_samples_are_guaranteed():
         pod = group_pod(render.render_all(sample))
         assert pod_qos(pod) == "Guaranteed", name
         assert pod["containers"][0]["resources"]["limits"]["cpu"] == "1"   # a whole CPU: an exclusive core
+
+
+# ---------------------------------------------------------------- LoRA adapters (issue 31)
+
+ADAPTERS = [{"name": "sql", "source": "hf://org/sql-lora"}, {"name": "chat", "source": "pvc://adapters/chat/v2"},
+            {"name": "same-claim", "source": "pvc://models/loras/x"}, {"name": "baked", "source": "file:///opt/a"}]
+
+
+def runtime_args(pod: dict) -> "argparse.Namespace":
+    """The pod's arguments as `shoal serve` itself parses them (the runtime's own parser)."""
+    import argparse
+
+    from shoal.runtime.entrypoints import serve_args
+
+    parser = argparse.ArgumentParser()
+    serve_args.add_arguments(parser)
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[0] == "serve"
+    return parser.parse_args(args[1:])
+
+
+def mounted(pod: dict, path: str) -> dict | None:
+    """The container mount that holds `path`, if any."""
+    for m in pod["spec"]["containers"][0]["volumeMounts"]:
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/"):
+            return m
+    return None
+
+
+def test_adapters_reach_the_runtime_through_its_own_flags(defaulted):
+    body = defaulted(model={"source": "pvc://models/llama/8b", "adapters": ADAPTERS},
+                     engine={"extraArgs": ["--max-loras", "4"]})
+    pod = render.pod_template(body, "g")
+    args = runtime_args(pod)
+    assert args.enable_lora and args.max_loras == 4
+    paths = {m["name"]: m["path"] for m in args.lora_modules}
+    assert set(paths) == {"sql", "chat", "same-claim", "baked"}
+    assert paths["baked"] == "/opt/a" and mounted(pod, "/opt/a") is None     # in the image
+    for name in ("sql", "chat", "same-claim"):                               # on a read-only volume of the pod
+        m = mounted(pod, paths[name])
+        assert m and m["readOnly"], name
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    # the model's own claim serves an adapter on it; another claim is mounted for its adapter
+    assert volumes[mounted(pod, paths["same-claim"])["name"]]["persistentVolumeClaim"]["claimName"] == "models"
+    assert volumes[mounted(pod, paths["chat"])["name"]]["persistentVolumeClaim"] == {"claimName": "adapters",
+                                                                                    "readOnly": True}
+    assert paths["chat"].endswith("/chat/v2")
+    # hf:// without the shared cache: downloaded at pod start into the volume it is read from
+    fetch = next(ic for ic in pod["spec"]["initContainers"] if ic["name"] == "fetch-adapters")
+    env = {e["name"]: e.get("value") for e in fetch["env"]}
+    assert env["SHOAL_ADAPTER_REPOS"] == "org/sql-lora"
+    target = next(m for m in fetch["volumeMounts"] if m["name"] == mounted(pod, paths["sql"])["name"])
+    assert paths["sql"] == target["mountPath"] + "/org/sql-lora" and not target.get("readOnly")
+
+
+def test_no_adapter_field_no_lora(defaulted):
+    args = runtime_args(render.pod_template(defaulted(), "g"))
+    assert not args.enable_lora and not args.lora_modules
+    args = runtime_args(render.pod_template(defaulted(model={"source": "hf://o/m", "adapters": []}), "g"))
+    assert args.enable_lora and not args.lora_modules
+
+
+def test_the_adapter_list_is_not_part_of_the_revision(defaulted):
+    def with_adapters(adapters):
+        return defaulted(model={"source": "pvc://models/llama/8b", "adapters": adapters})
+    empty = with_adapters([])
+    rev = render.revision_hash(empty)
+    for adapters in (ADAPTERS[:1], ADAPTERS, ADAPTERS[::-1], [{"name": "sql", "source": "hf://org/other"}]):
+        body = with_adapters(adapters)
+        assert render.revision_hash(body) == rev, adapters
+        # the StatefulSet's template follows the list (OnDelete: no pod is replaced; a group's next start has it)
+        assert render.group_statefulset(body, rev, 0) != render.group_statefulset(empty, rev, 0)
+    # turning LoRA on or off is a pod change: a new revision
+    assert render.revision_hash(defaulted(model={"source": "pvc://models/llama/8b"})) != rev
+    assert render.revision_hash(defaulted(model={"source": "pvc://models/llama/9b", "adapters": ADAPTERS})) != rev
+
+
+def test_adapters_through_the_shared_cache(defaulted):
+    body = defaulted(model={"source": "hf://org/name", "cache": {"enabled": True}, "tokenSecret": {"name": "hf"},
+                            "adapters": [{"name": "sql", "source": "hf://org/sql-lora"}]})
+    want = render.desired(body)
+    (plan,) = want.adapters
+    pod = render.pod_template(body, "g")
+    # not among the flags a pod starts with (its Job may still download): the operator loads it
+    args = runtime_args(pod)
+    assert args.enable_lora and not args.lora_modules
+    assert mounted(pod, plan["path"])["name"] == "model-cache" and render.adapter_on_pod(plan, pod)
+    job = want.adapter_fetch_job(plan)
+    validate_k8s(job)
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SHOAL_MODEL_DIR"] == plan["path"] and env["SHOAL_MODEL_REPO"] == "org/sql-lora"
+    assert env["SHOAL_MODEL_REVISION"] == "main"
+    assert "HF_TOKEN" in env
+    assert job["metadata"]["name"] != want.fetch_job()["metadata"]["name"]   # its own directory, its own Job
+    assert plan["path"] != render.model_plan(body["spec"], "demo")["arg"]
+
+
+def test_whether_a_running_pod_has_an_adapters_files(defaulted):
+    old = render.pod_template(defaulted(model={"source": "pvc://models/llama/8b", "adapters": ADAPTERS[:1]}), "g")
+    body = defaulted(model={"source": "pvc://models/llama/8b", "adapters": ADAPTERS})
+    new = render.pod_template(body, "g")
+    plans = {p["name"]: p for p in render.adapter_plans(body["spec"])}
+    assert [n for n in plans if render.adapter_on_pod(plans[n], old)] == ["sql", "same-claim", "baked"]
+    assert all(render.adapter_on_pod(p, new) for p in plans.values())
+
+
+def test_a_pod_without_lora_loads_no_adapter(defaulted):
+    # a group of the revision before `adapters` was added: the rollout replaces it, nothing is loaded there
+    body = defaulted(model={"source": "pvc://models/llama/8b", "adapters": ADAPTERS})
+    before = render.pod_template(defaulted(model={"source": "pvc://models/llama/8b"}), "g")
+    assert not any(render.adapter_on_pod(p, before) for p in render.adapter_plans(body["spec"]))

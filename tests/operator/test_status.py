@@ -101,3 +101,30 @@ def test_documented_reasons_are_the_ones_the_code_writes():
         text = (ROOT / "docs" / doc).read_text()
         documented = set(re.findall(r"reason:\s*([A-Z][A-Za-z]+)", text))
         assert documented <= written, (doc, documented - written)
+
+
+# ---------------------------------------------------------------- LoRA adapters (issue 31)
+
+def test_adapter_changes_load_the_missing_and_unload_the_removed():
+    wanted = {"sql": "/a/sql", "chat": "/a/chat2"}
+    loaded = {"chat": "/a/chat", "old": "/a/old", "later": "/a/later"}
+    loads, unloads = status.adapter_changes(wanted, {"sql", "chat", "later"}, loaded)
+    # a new path for a loaded name is loaded in place; one the group cannot load yet is kept
+    assert loads == [("chat", "/a/chat2", True), ("sql", "/a/sql", False)]
+    assert unloads == ["old"]
+    assert status.adapter_changes(wanted, set(wanted), {"sql": "/a/sql", "chat": "/a/chat2"}) == ([], [])
+    assert status.adapter_changes({}, set(), {"x": "/x"}) == ([], ["x"])
+
+
+def test_adapter_status_lists_every_adapter_on_every_group():
+    plans = [{"name": "sql", "source": "hf://o/sql"}, {"name": "chat", "source": "file:///c"}]
+    states = {"g-1": {"sql": ("Loaded", ""), "chat": ("Failed", "400: rank 64 over --max-lora-rank 16")},
+              "g-0": {"sql": ("Loaded", "")}}
+    out = status.adapter_status(plans, states, cache={"sql": "Ready"})
+    assert [a["name"] for a in out] == ["sql", "chat"]
+    sql, chat = out
+    assert sql == {"name": "sql", "source": "hf://o/sql", "loadedGroups": 2, "cache": "Ready",
+                   "groups": [{"name": "g-0", "state": "Loaded"}, {"name": "g-1", "state": "Loaded"}]}
+    assert chat["loadedGroups"] == 0 and "cache" not in chat
+    assert chat["groups"] == [{"name": "g-0", "state": "Pending", "message": "not looked at yet"},
+                              {"name": "g-1", "state": "Failed", "message": "400: rank 64 over --max-lora-rank 16"}]

@@ -13,7 +13,7 @@ from test_crd import BAD, GOOD, validate_resource
 
 # The issue-19 cases of test_crd.BAD (the others are plain schema checks: types, bounds).
 ISSUE_19 = [k for k in BAD if k.startswith(("gpu", "mig", "extraArgs", "volume", "second", "SHOAL", "negative",
-                                             "pvc", "interval", "min > max")) or k == "negative replicas"]
+                                             "pvc", "interval", "min > max", "adapter")) or k == "negative replicas"]
 
 
 @pytest.mark.parametrize("case", ISSUE_19)
