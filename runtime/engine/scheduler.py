@@ -110,6 +110,17 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = Status.FINISHED
 
+    def _shorter_chunk(self, seq: Sequence, num_new: int) -> int:
+        """The longest halving of a prefill chunk the KV cache takes now (0: none), for a sequence
+        nobody else holds blocks from. Sliding-window groups take a chunk's blocks in every group
+        before the window lets the old ones go, so a budget-long chunk may never fit where shorter
+        ones do (the engine caps prompts at what a sequence alone can hold, KVCacheManager.max_tokens)."""
+        while num_new > 1:
+            num_new //= 2
+            if self.kv.allocate(seq, seq.num_computed + num_new):
+                return num_new
+        return 0
+
     def schedule(self, lane: int = 0) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
@@ -129,6 +140,9 @@ class Scheduler:
                 self._preempt(running.pop())
                 preempted = True
                 allocated = self.kv.allocate(seq, seq.num_computed + num_new)
+            if not allocated and num_new > 1 and self.kv.sliding:  # alone: a shorter chunk before its own blocks go
+                num_new = self._shorter_chunk(seq, num_new)
+                allocated = num_new > 0
             if not allocated:
                 self._preempt(running.pop())  # the sequence itself: nobody left to take blocks from
                 preempted = True
@@ -156,7 +170,11 @@ class Scheduler:
             if not seq.block_table and not seq.scores_prompt:  # prompt_logprobs: every position is computed
                 self.kv.reuse_prefix(seq)
             num_new = min(len(seq.token_ids) - seq.num_computed, budget)
-            if not self.kv.allocate(seq, seq.num_computed + num_new):
+            allocated = self.kv.allocate(seq, seq.num_computed + num_new)
+            if not allocated and not self.running and num_new > 1 and self.kv.sliding:  # nobody holds blocks
+                num_new = self._shorter_chunk(seq, num_new)
+                allocated = num_new > 0
+            if not allocated:
                 self.kv.free(seq)  # give back the prefix hits; try again next step
                 self._release_slot(seq)
                 break

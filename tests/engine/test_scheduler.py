@@ -14,7 +14,9 @@ from shoal.runtime.sampling_params import SamplingParams
 
 
 class FakeKV:
-    """Room for `capacity` token slots, counted per sequence; no prefix cache."""
+    """Room for `capacity` token slots, counted per sequence; no prefix cache, no sliding windows."""
+
+    sliding: list = []
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -141,3 +143,26 @@ def test_a_lora_request_without_a_slot_waits_and_gets_the_next_free_one():
     assert run_step(sched).seqs == [b]  # the oldest waiting adapter takes the freed slot
     assert lora.slots == [adapter_b] and lora.num_loads == 2 and [w for _, w in lora.take_loads()] == [{}, {}]
     assert b.lora_slot == 0 and sched.waiting == [a2]
+
+
+def test_a_sliding_window_prompt_no_budget_chunk_fits_is_prefilled_in_shorter_chunks():
+    """Sliding-window groups take a chunk's blocks in every group before the window lets the old
+    ones go. With a full group and two sliding ones (window 8) over 20 blocks of 16, a 120-token
+    chunk needs 24 blocks, more than the pool holds, though the prompt is well within what the
+    manager says one sequence can hold: the real manager, and the prompt still runs, in halves."""
+    from shoal.runtime.cache.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(20, 16, True, [0, 8, 8])
+    seq = request(120)
+    assert len(seq.token_ids) + 8 <= kv.max_tokens()
+    assert not kv.allocate(seq, 120)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=128)
+    sched.add(seq)
+    chunks = []
+    while len(seq.token_ids) < 128:
+        batch = run_step(sched)
+        assert batch.seqs == [seq]  # progress every step
+        chunks.append(batch.num_new_tokens[0])
+    assert chunks == [60, 60] + [1] * 7 and sched.num_preemptions == 0
+    sched.remove(seq)
+    assert kv.pool.num_free == 20 - 1  # all but the null block
