@@ -16,7 +16,7 @@ from shoal.runtime.engine import bad_words
 from shoal.runtime.engine.request import Sequence, Status
 from shoal.runtime.engine.scheduler import ScheduledBatch
 from shoal.runtime.engine.structured_output import narrow_row, num_words
-from shoal.runtime.executor.model_runner import StepInput
+from shoal.runtime.executor.base import StepInput
 from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.sampler import SamplingMetadata
 

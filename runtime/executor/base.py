@@ -3,8 +3,30 @@
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
-from shoal.runtime.layers.sampler import Finished
+import torch
+
+from shoal.runtime.executor.prompt_logprobs import PromptRows
+from shoal.runtime.layers.attention import AttentionMetadata
+from shoal.runtime.layers.sampler import Finished, SamplingMetadata
+
+
+@dataclass
+class StepInput:
+    """Everything a rank needs to run one step: plain tensors, cheap to send to workers."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
+    sampling: SamplingMetadata | None = None  # set: the step returns sampled tokens, not logits
+    prompt_logprobs: PromptRows | None = None  # set: the runner also scores these prompt rows (into it)
+    # [2, F] long (async scheduling): input_ids[fill_rows[0]] are the tokens the previous step
+    # sampled in its rows fill_rows[1], still on the device when this step was prepared
+    fill_rows: torch.Tensor | None = None
+    # [T] long: each token's LoRA slot (-1: the base model); None: no token of the step uses one
+    lora_slots: torch.Tensor | None = None
 
 
 class Executor(abc.ABC):

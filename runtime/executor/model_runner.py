@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -14,10 +13,9 @@ import torch
 from shoal.runtime import cpu_threads
 from shoal.runtime.distributed import SINGLE, ParallelState
 from shoal.runtime.cpu_memory import huge_page_zeros, keep_freed_heap_memory
-from shoal.runtime.executor.base import Executor
-from shoal.runtime.executor.prompt_logprobs import PromptRows, score
+from shoal.runtime.executor.base import Executor, StepInput
+from shoal.runtime.executor.prompt_logprobs import score
 from shoal.runtime.executor.staging import Staging
-from shoal.runtime.layers.attention import AttentionMetadata
 from shoal.runtime.layers.decode_workspace import DecodeRows, new_workspace
 from shoal.runtime.layers.linear import cast_and_finish, pack_for_cpu, quantized
 from shoal.runtime.layers.quantization import methods_for
@@ -29,23 +27,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
-
-
-@dataclass
-class StepInput:
-    """Everything a rank needs to run one step: plain tensors, cheap to send to workers."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # rows of the flat batch whose logits are needed
-    sampling: SamplingMetadata | None = None  # set: the step returns sampled tokens, not logits
-    prompt_logprobs: PromptRows | None = None  # set: the runner also scores these prompt rows (into it)
-    # [2, F] long (async scheduling): input_ids[fill_rows[0]] are the tokens the previous step
-    # sampled in its rows fill_rows[1], still on the device when this step was prepared
-    fill_rows: torch.Tensor | None = None
-    # [T] long: each token's LoRA slot (-1: the base model); None: no token of the step uses one
-    lora_slots: torch.Tensor | None = None
 
 
 def native_sampler():

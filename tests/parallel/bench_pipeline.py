@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from shoal.runtime.config import EngineConfig  # noqa: E402
 from shoal.runtime.executor.distributed_executor import DistributedExecutor  # noqa: E402
-from shoal.runtime.executor.model_runner import StepInput  # noqa: E402
+from shoal.runtime.executor.base import StepInput  # noqa: E402
 from shoal.runtime.layers.attention import AttentionMetadata  # noqa: E402
 from shoal.runtime.models.loader import load_config, resolve_model  # noqa: E402
 
