@@ -86,9 +86,8 @@ class ServerState:
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.", "invalid_request_error", param="model", code="model_not_found")
 
     def lora_adapters(self) -> dict:
-        """The LoRA adapters loaded now, by name (read from the engine thread's registry: one dict read)."""
-        lora = getattr(self.engine.engine, "lora", None)
-        return dict(lora.adapters) if lora is not None else {}
+        """The LoRA adapters loaded now, by name."""
+        return self.engine.lora_adapters()
 
     def lora_of(self, model: str | None) -> str | None:
         """The adapter a request's `model` names, None for the base model."""
