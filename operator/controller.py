@@ -18,7 +18,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from shoal.operator import autoscale, crd, defaults, metrics, render, rollout, scrape, status, validate
+from shoal.operator import autoscale, crd, defaults, render, rollout, scrape, status, validate
+from shoal.operator import operator_metrics as metrics
 from shoal.operator.apply import Applier, delete_quietly, get_quietly, list_quietly, owned_by
 from shoal.operator.kube import ApiError, Kube
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_args.add_arguments(bench)
 
     op = sub.add_parser("operator", help="the Kubernetes operator")
-    from shoal.operator import cli as operator_cli
+    from shoal.operator import operator_cli
 
     operator_cli.add_arguments(op)
 

@@ -27,7 +27,7 @@ KSM_CRS = MONITORING / "kube-state-metrics-crs.yaml"
 LUA_HEALTH = ARGOCD / "inferencedeployment-health.lua"
 ARGOCD_CM = ARGOCD / "argocd-cm.yaml"
 
-# The metric contract (docs/design.md "Metrics" and operator/metrics.py).
+# The metric contract (docs/design.md "Metrics" and operator/operator_metrics.py).
 RUNTIME_COUNTERS = {
     "shoal_prompt_tokens_total", "shoal_generation_tokens_total", "shoal_num_preemptions_total",
     "shoal_prefix_cache_queries_total", "shoal_prefix_cache_hits_total", "shoal_request_success_total",

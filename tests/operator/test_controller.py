@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from shoal.operator import controller as ctl
-from shoal.operator import metrics, render, scrape
+from shoal.operator import operator_metrics as metrics
+from shoal.operator import render, scrape
 from shoal_op_helpers import FakeKube, make_body
 
 METRICS = """# TYPE shoal_num_requests_running gauge

@@ -17,7 +17,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shoal.operator import cli, crd, defaults
+from shoal.operator import crd, defaults
+from shoal.operator import operator_cli as cli
 from shoal_op_helpers import ROOT, make_body
 
 celpy = pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules")

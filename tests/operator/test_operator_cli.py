@@ -12,7 +12,7 @@ from shoal_op_helpers import ROOT
 
 
 def parse(*argv):
-    from shoal.operator import cli
+    from shoal.operator import operator_cli as cli
 
     parser = argparse.ArgumentParser(prog="shoal operator")
     cli.add_arguments(parser)
@@ -20,7 +20,7 @@ def parse(*argv):
 
 
 def test_importing_the_cli_pulls_no_torch_runtime_or_kopf():
-    code = ("import sys, argparse; from shoal.operator import cli; cli.add_arguments(argparse.ArgumentParser()); "
+    code = ("import sys, argparse; from shoal.operator import operator_cli as cli; cli.add_arguments(argparse.ArgumentParser()); "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('shoal.runtime', 'kopf'))]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -95,7 +95,7 @@ def test_run_serves_metrics_and_liveness_and_stops_on_sigterm(tmp_path):
                 "users": [{"name": "k", "user": {"token": "t"}}],
                 "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}]}))
             env = dict(os.environ, KUBECONFIG=str(kc), SHOAL_OPERATOR_SCANNING="0")
-            code = ("import sys, argparse; from shoal.operator import cli; p = argparse.ArgumentParser(); "
+            code = ("import sys, argparse; from shoal.operator import operator_cli as cli; p = argparse.ArgumentParser(); "
                     "cli.add_arguments(p); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
             proc = subprocess.Popen([sys.executable, "-c", code, "run", "-n", "default", "--metrics-port", str(mport),
                                      "--liveness", f"http://127.0.0.1:{lport}/healthz"],

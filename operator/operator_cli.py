@@ -53,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import kopf
 
     from shoal.operator import main as _handlers  # noqa: F401  (registers the handlers)
-    from shoal.operator import metrics
+    from shoal.operator import operator_metrics as metrics
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

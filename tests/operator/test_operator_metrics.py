@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from shoal.operator import metrics
+from shoal.operator import operator_metrics as metrics
 
 
 def free_port() -> int:
