@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--top-p", type=float)
     st.add_argument("--top-k", type=int)
     st.add_argument("--min-p", type=float)
+    st.add_argument("--lora-adapters", type=int, metavar="N",
+                    help="the sequences spread over N random LoRA adapters (rank --max-lora-rank, every projection): "
+                         "the profile reports the LoRA hooks' share of a step")
     st.set_defaults(func=_run_step)
 
     mm = sub.add_parser("make-model", help="write a random-weight HF model directory (prints its path)")

@@ -42,6 +42,7 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_MARK = "shoal_bench::step"
 WINDOW_MARK = "shoal_bench::window"
 MOE_MARK = "shoal_bench::moe"  # each mixture-of-experts block's forward, while profiling
+LORA_MARK = "shoal_bench::lora"  # each LoRA hook's delta (a linear layer's adapters), while profiling
 
 
 def _summary(xs: list[float]) -> dict:
@@ -96,8 +97,10 @@ class ModelCallTimer:
                 setattr(self.executor, name, old)
 
 
-def fill(engine, num_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0, sampling: dict | None = None) -> None:
-    """`num_seqs` random prompts; greedy unless `sampling` gives temperature/top_p/top_k/min_p."""
+def fill(engine, num_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0, sampling: dict | None = None,
+         loras: list[str] | None = None) -> None:
+    """`num_seqs` random prompts; greedy unless `sampling` gives temperature/top_p/top_k/min_p.
+    `loras`: sequence i runs with adapter loras[i % len(loras)]."""
     from shoal.runtime.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -105,7 +108,8 @@ def fill(engine, num_seqs: int, prompt_len: int, max_tokens: int, seed: int = 0,
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
                             **({"temperature": 0.0} | (sampling or {})))
     for i in range(num_seqs):
-        engine.add_request(f"step-bench-{i}", rng.integers(low, high, prompt_len).tolist(), params)
+        engine.add_request(f"step-bench-{i}", rng.integers(low, high, prompt_len).tolist(), params,
+                           lora=loras[i % len(loras)] if loras else None)
 
 
 def reach_steady_decode(engine, num_seqs: int, prompt_len: int, max_steps: int) -> tuple[int, int]:
@@ -183,7 +187,10 @@ def analyze_trace(trace: dict, num_steps: int) -> dict:
     }
     per_step["stream_syncs"] = per_step["cudaStreamSynchronize"]
     step_ms = [u / 1e3 for u in step_us]
-    moe = _moe_figures([e for e in marks(MOE_MARK) if inside(e)], host_calls, kernels, sum(step_us), kernel_us, num_steps)
+    moe = _marked_figures("moe", "blocks", [e for e in marks(MOE_MARK) if inside(e)], host_calls, kernels, sum(step_us),
+                          kernel_us, num_steps)
+    lora = _marked_figures("lora", "calls", [e for e in marks(LORA_MARK) if inside(e)], host_calls, kernels, sum(step_us),
+                           kernel_us, num_steps)
     return {
         "steps": num_steps,
         "marked_steps": len(steps),
@@ -197,29 +204,31 @@ def analyze_trace(trace: dict, num_steps: int) -> dict:
         "host_busy_ms_per_step": statistics.fmean(s - b for s, b in zip(step_us, blocked)) / 1e3,
         "per_step": per_step,
         **moe,
+        **lora,
     }
 
 
-def _moe_figures(marks, host_calls, kernels, step_us, kernel_us, num_steps) -> dict:
-    """The mixture-of-experts blocks' share of a step: host time inside their marks (on CPU, the
-    compute) and, on CUDA, the time of the kernels launched inside them (CUDA graphs hide those)."""
+def _marked_figures(name: str, unit: str, marks, host_calls, kernels, step_us, kernel_us, num_steps) -> dict:
+    """A marked part's share of a step (`name`: moe, the mixture-of-experts blocks; lora, the
+    LoRA hooks): host time inside its marks (on CPU, the compute) and, on CUDA, the time of the
+    kernels launched inside them (CUDA graphs hide those)."""
     if not marks:
         return {}
-    moe_us = sum(e["dur"] for e in marks)
-    out = {"moe_blocks_per_step": len(marks) / num_steps, "moe_host_ms_per_step": moe_us / 1e3 / num_steps,
-           "moe_share_of_step_time": moe_us / step_us if step_us else None}
+    part_us = sum(e["dur"] for e in marks)
+    out = {f"{name}_{unit}_per_step": len(marks) / num_steps, f"{name}_host_ms_per_step": part_us / 1e3 / num_steps,
+           f"{name}_share_of_step_time": part_us / step_us if step_us else None}
     if kernels:
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in marks)
         starts = [a for a, _ in spans]
 
-        def in_moe(e) -> bool:
+        def in_part(e) -> bool:
             i = bisect.bisect_right(starts, e["ts"]) - 1
             return i >= 0 and e["ts"] < spans[i][1]
 
-        launched = {e.get("args", {}).get("correlation") for e in host_calls if "Launch" in e["name"] and in_moe(e)}
-        moe_kernel_us = sum(e["dur"] for e in kernels if e.get("args", {}).get("correlation") in launched - {None})
-        out["moe_kernel_ms_per_step"] = moe_kernel_us / 1e3 / num_steps
-        out["moe_share_of_kernel_time"] = moe_kernel_us / kernel_us if kernel_us else None
+        launched = {e.get("args", {}).get("correlation") for e in host_calls if "Launch" in e["name"] and in_part(e)}
+        part_kernel_us = sum(e["dur"] for e in kernels if e.get("args", {}).get("correlation") in launched - {None})
+        out[f"{name}_kernel_ms_per_step"] = part_kernel_us / 1e3 / num_steps
+        out[f"{name}_share_of_kernel_time"] = part_kernel_us / kernel_us if kernel_us else None
     return out
 
 
@@ -246,13 +255,34 @@ def marked_moe_blocks(executor):
             del block.forward  # the class's forward again
 
 
+@contextmanager
+def marked_lora_hooks():
+    """Wrap every LoRA hook's call in a profiler mark (the class's call, for every instance: a
+    step's hooks run only for steps with adapter rows)."""
+    from torch.profiler import record_function
+
+    from shoal.runtime.layers.lora import LoraLayer
+
+    call = LoraLayer.__call__
+
+    def marked(self, *args, **kwargs):
+        with record_function(LORA_MARK):
+            return call(self, *args, **kwargs)
+
+    LoraLayer.__call__ = marked
+    try:
+        yield
+    finally:
+        LoraLayer.__call__ = call
+
+
 def profile_steps(engine, device: torch.device, num_steps: int, trace_path: str | None = None) -> dict:
     """Run `num_steps` steps under torch.profiler; analyse (and optionally keep) its trace."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
-    with profile(activities=activities) as prof, marked_moe_blocks(engine.executor):
+    with profile(activities=activities) as prof, marked_moe_blocks(engine.executor), marked_lora_hooks():
         with record_function(WINDOW_MARK):
             for _ in range(num_steps):
                 with record_function(STEP_MARK):
@@ -301,10 +331,11 @@ def _back_to_back_by_mode(engine, device, steps: int) -> dict[str, float]:
 
 
 def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_steps: int = 3, steps: int = 20,
-                   profile: int = 10, trace_path: str | None = None, seed: int = 0, sampling: dict | None = None) -> dict:
+                   profile: int = 10, trace_path: str | None = None, seed: int = 0, sampling: dict | None = None,
+                   loras: list[str] | None = None) -> dict:
     device = torch.device(engine.config.device)
     max_tokens = _max_tokens(warmup_steps, steps, profile, prompt_len)
-    fill(engine, num_seqs, prompt_len, max_tokens, seed, sampling)
+    fill(engine, num_seqs, prompt_len, max_tokens, seed, sampling, loras)
     t = time.perf_counter()
     reached, running = reach_steady_decode(engine, num_seqs, prompt_len, max_steps=4 * num_seqs * max(1, prompt_len) + 64)
     fill_s = time.perf_counter() - t
@@ -350,6 +381,7 @@ def run_step_bench(engine, num_seqs: int = 256, prompt_len: int = 32, warmup_ste
         "host_ms": _summary([s - m for s, m in zip(step_ms, model_ms)]),
         "torch_threads": torch.get_num_threads(),
         "sampling": sampling or {"temperature": 0.0},
+        "lora_adapters": len(loras or []),
     }
     if profile:
         try:
@@ -388,6 +420,9 @@ def step(args) -> int:
         args.model = str(bench_models.make_random_model(preset, dtype=dtype, device=args.device or "cpu"))
     if args.max_num_seqs is None:
         args.max_num_seqs = max(args.num_seqs, 256)
+    if args.lora_adapters:  # the sequences spread over N random adapters, every one in a device slot
+        args.enable_lora = True
+        args.max_loras = max(args.max_loras or 0, args.lora_adapters)
     max_tokens = _max_tokens(args.warmup_steps, args.steps, args.profile_steps, args.prompt_len)
     if args.kv_cache_memory is None and (args.device or "cpu") == "cpu":
         from shoal.runtime.models.loader import resolve_model
@@ -397,8 +432,14 @@ def step(args) -> int:
     cfg = EngineConfig.from_args(args)
     llm = LLM(**{k: v for k, v in vars(cfg).items() if k != "extra"})
     try:
+        loras = None
+        if args.lora_adapters:
+            adapters = bench_models.make_random_adapters(llm.engine.model_dir, args.lora_adapters, llm.engine.config.max_lora_rank)
+            for name, path in adapters.items():
+                llm.engine.add_lora(name, str(path))
+            loras = list(adapters)
         result = run_step_bench(llm.engine, args.num_seqs, args.prompt_len, args.warmup_steps, args.steps,
-                                args.profile_steps, args.trace, args.seed or 0, sampling_of(args))
+                                args.profile_steps, args.trace, args.seed or 0, sampling_of(args), loras)
     finally:
         llm.engine.shutdown()
     result["model"] = args.model
@@ -453,4 +494,9 @@ def format_result(r: dict) -> str:
                          f"({p['moe_share_of_step_time']:.1%} of the profiled step time)"
                          + (f"; their kernels {p['moe_kernel_ms_per_step']:.3f} ms, {p['moe_share_of_kernel_time']:.1%} "
                             "of kernel time" if p.get("moe_share_of_kernel_time") is not None else ""))
+        if "lora_host_ms_per_step" in p:
+            lines.append(f"  LoRA: {r.get('lora_adapters')} adapters, {p['lora_calls_per_step']:.0f} hook calls a step, "
+                         f"{p['lora_host_ms_per_step']:.2f} ms ({p['lora_share_of_step_time']:.1%} of the profiled step time)"
+                         + (f"; their kernels {p['lora_kernel_ms_per_step']:.3f} ms, {p['lora_share_of_kernel_time']:.1%} "
+                            "of kernel time" if p.get("lora_share_of_kernel_time") is not None else ""))
     return "\n".join(lines)

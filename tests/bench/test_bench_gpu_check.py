@@ -290,6 +290,30 @@ def test_bench_step_reports_the_experts_share_of_a_moe_step(tmp_path, monkeypatc
     assert "moe_share_of_kernel_time" not in prof  # CPU: no kernels to attribute
 
 
+def test_bench_step_reports_the_lora_hooks_share_of_a_step(tmp_path, monkeypatch):
+    """tiny-step (2 layers) with its sequences over 3 random adapters: each profiled step calls
+    the hook of each of a layer's 4 LoRA-wrapped linear layers (qkv, o, gate/up, down), and the
+    hooks take a part of the step, not all of it; without adapters there is no LoRA line."""
+    monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
+    from shoal.runtime.bench.step import format_result
+    from shoal.runtime.cli import main
+
+    runs = {}
+    for adapters in (3, 0):
+        path = tmp_path / f"step-{adapters}.json"
+        assert main(["bench", "step", "--tiny", "--num-seqs", "6", "--prompt-len", "4", "--warmup-steps", "1",
+                     "--steps", "2", "--profile-steps", "2", "--json", str(path)]
+                    + (["--lora-adapters", str(adapters)] if adapters else [])) == 0
+        runs[adapters] = json.loads(path.read_text())
+    with_lora, base = runs[3], runs[0]
+    prof = with_lora["profile"]
+    assert with_lora["lora_adapters"] == 3 and with_lora["decode_only"]
+    assert prof["lora_calls_per_step"] == 2 * 4
+    assert 0 < prof["lora_share_of_step_time"] < 1 and 0 < prof["lora_host_ms_per_step"] < prof["wall_ms_per_step"]
+    assert "LoRA: 3 adapters, 8 hook calls a step" in format_result(with_lora)
+    assert "lora_calls_per_step" not in base["profile"] and "LoRA" not in format_result(base)
+
+
 def test_moe_share_from_a_gpu_shaped_trace():
     """On CUDA the experts' share is that of the kernels launched inside their marks (by the
     launch's correlation id), of all kernel time."""
