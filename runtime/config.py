@@ -28,7 +28,10 @@ class EngineConfig:
     kv_cache_memory: float | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
-    dtype: str = "float32"
+    # "auto": float32 (the checkpoint's float weights upcast), and on the CPU a GGUF model (the
+    # built-in one, a .gguf file) serves its decode steps from the file's quantized blocks
+    # (quantization "gguf", see gguf_by_default); "float32" keeps the dequantized weights.
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"  # auto | torch | triton
@@ -48,7 +51,7 @@ class EngineConfig:
     num_threads: int | None = None
     # A quantized checkpoint's format is read from its config.json (quantization_config); this
     # forces one: "fp8" quantizes a float checkpoint's linear weights at load (W8A8); "gguf": a
-    # GGUF model's C decode step reads its quantized blocks (Q4_0, Q4_1, Q8_0) as the file stores them.
+    # GGUF model's C decode step reads its quantized blocks as the file stores them (gguf_by_default).
     quantization: str | None = None
     # "fp8": the KV cache in float8 e4m3 with per-tensor scales (twice the blocks); "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
@@ -78,9 +81,21 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8; got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+        if self.quantization is None and self.gguf_by_default():
+            self.quantization = "gguf"
         self.lora_modules = [parse_lora_module(m) if isinstance(m, str) else dict(m) for m in self.lora_modules]
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")
+
+    def gguf_by_default(self) -> bool:
+        """A GGUF model named as one (builtin://NAME or a .gguf file), with no dtype asked for, in
+        one CPU process with the C decode step on: its decode reads the file's quantized blocks
+        (llama.cpp's own speed and bytes). Not with LoRA adapters, whose deltas the C step adds
+        to float32 weights."""
+        model = str(self.model).strip()
+        named_gguf = model.startswith("builtin://") or model.endswith(".gguf") or model == DEFAULT_MODEL.split("//")[1]
+        return (named_gguf and self.dtype == "auto" and self.device == "cpu" and self.cpu_decode_max_seqs > 0
+                and self.tensor_parallel_size * self.pipeline_parallel_size == 1 and not self.enable_lora)
 
     @property
     def name(self) -> str:
@@ -145,10 +160,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help=f"reuse the KV blocks of shared prompt prefixes (default: {'on' if d.enable_prefix_caching else 'off'})")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help=f"fcfs, or priority (lower 'priority' runs first) (default: {d.scheduling_policy})")
-    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help=f"weights and activations (default: {d.dtype})")
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help=f"weights and activations; auto: float32, and a GGUF model on the CPU decodes from its quantized "
+                        f"blocks (float32 keeps the dequantized weights) (default: {d.dtype})")
     g.add_argument("--quantization", "-q", choices=QUANTIZATIONS,
                    help="the checkpoint's quantization (default: read from its config.json); fp8 quantizes a float checkpoint "
-                        "at load; gguf: the CPU decode step reads a GGUF model's Q4_0/Q4_1/Q8_0 blocks as stored")
+                        "at load; gguf: the CPU decode step reads a GGUF model's Q4_0/Q4_1/Q8_0/K-quant blocks as stored "
+                        "(the default for a GGUF model with --dtype auto)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], help=f"KV cache storage: auto (the model's dtype) or fp8 e4m3 (default: {d.kv_cache_dtype})")
     g.add_argument("--device", help=f"cpu or cuda (default: {d.device})")
     g.add_argument("--seed", type=int, help=f"seed of the engine's random state (default: {d.seed})")

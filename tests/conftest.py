@@ -37,6 +37,6 @@ def llm():
     """One engine on the built-in model for the whole session (loading takes seconds)."""
     from shoal import LLM
 
-    engine = LLM(kv_cache_memory=2**28, max_num_batched_tokens=512)
+    engine = LLM(dtype="float32", kv_cache_memory=2**28, max_num_batched_tokens=512)  # float32: held to transformers
     yield engine
     engine.engine.shutdown()

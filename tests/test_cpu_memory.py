@@ -41,3 +41,32 @@ def test_huge_page_zeros_gets_huge_pages_where_the_kernel_offers_them():
     t = huge_page_zeros(64 * HUGE_PAGE // 4, torch.float32)
     huge_kb = int(_mapping_stats(t.data_ptr())["AnonHugePages"].split()[0])
     assert huge_kb >= 32 * HUGE_PAGE // 1024  # most of its 64 huge pages (the kernel may split a few)
+
+
+def test_release_freed_heap_returns_what_the_loader_freed():
+    """Under keep_freed_heap_memory freed tensors stay in glibc's heap (the steps reuse them);
+    release_freed_heap, called once the model is loaded, gives the loader's back to the kernel.
+    In a fresh process, so the allocator's state is this test's alone."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from pathlib import Path
+from shoal.runtime.cpu_memory import keep_freed_heap_memory, release_freed_heap
+
+def anonymous_kib():
+    line = next(l for l in Path("/proc/self/smaps_rollup").read_text().splitlines() if l.startswith("Anonymous:"))
+    return int(line.split()[1])
+
+keep_freed_heap_memory()
+temporaries = [torch.ones(2**20) for _ in range(48)]  # 48 x 4 MiB, touched
+keep = torch.ones(16)  # allocated after them: the heap cannot just shrink from its top
+del temporaries
+held = anonymous_kib()
+release_freed_heap()
+print(held - anonymous_kib())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    released_mib = int(out.stdout.strip().splitlines()[-1]) / 1024
+    assert released_mib > 150, out.stdout  # of the 192 MiB freed

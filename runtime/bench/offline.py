@@ -161,6 +161,7 @@ def throughput(args) -> int:
               f"{result['structured_ratio']:.3f}x the unconstrained run ({(1 - result['structured_ratio']) * 100:+.1f}% slower)")
     if args.compare_hf:
         model_dir, device, dtype = llm.engine.model_dir, llm.engine.config.device, llm.engine.config.dtype
+        dtype = "float32" if dtype == "auto" else dtype  # what the engine computes in for "auto"
         if torch.device(device).type == "cuda":  # the engine's KV cache holds most of the GPU: free it first
             llm.engine.shutdown()
             llm = None
@@ -220,7 +221,7 @@ def gguf_engines(args, llm) -> dict:
     if gguf_source(llm.engine.model_dir) is None:
         raise SystemExit("--compare-gguf needs a GGUF model (a .gguf file or builtin://NAME)")
     mine = "gguf" if llm.engine.config.quantization == "gguf" else "float32"
-    args.quantization = None if mine == "gguf" else "gguf"
+    args.quantization, args.dtype = (None, "float32") if mine == "gguf" else ("gguf", None)
     other = _engine(args)
     return {mine: llm, ("float32" if mine == "gguf" else "gguf"): other}
 

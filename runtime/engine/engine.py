@@ -22,6 +22,7 @@ import torch
 
 from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.config import EngineConfig
+from shoal.runtime.cpu_memory import release_freed_heap
 from shoal.runtime.engine import bad_words, detokenizer
 from shoal.runtime.engine.lora_manager import LoraError, LoraManager
 from shoal.runtime.engine.prompt_scoring import PromptScoring, prompt_scoring
@@ -159,6 +160,8 @@ class LLMEngine:
         t = time.perf_counter()
         self._warm_up()
         self.load_times["warmup"] = time.perf_counter() - t
+        if torch.device(self.config.device).type == "cpu":
+            release_freed_heap()  # the loader's temporaries
 
     # -- requests -----------------------------------------------------------------------
 

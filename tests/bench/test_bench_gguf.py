@@ -34,7 +34,7 @@ def parse(*argv) -> argparse.Namespace:
 
 def test_compare_gguf_throughput_runs_both_paths(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("SHOAL_CACHE", str(tmp_path / "cache"))
-    args = parse("throughput", str(tiny_gguf), "--compare-gguf", "--kv-cache-memory", "16MiB")
+    args = parse("throughput", str(tiny_gguf), "--compare-gguf", "--dtype", "float32", "--kv-cache-memory", "16MiB")
     llm = offline._engine(args)
     llms = offline.gguf_engines(args, llm)
     assert llms["float32"] is llm and set(llms["float32"].engine.executor.cpu_decoder.quantized_types) == {0}

@@ -405,7 +405,7 @@ def test_engine_serves_a_kquant_gguf_from_its_blocks(tmp_path, monkeypatch):
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=0)
     runs = {}
     for quantization in (None, "gguf"):
-        llm = LLM(str(path), quantization=quantization, kv_cache_memory=2**24)
+        llm = LLM(str(path), quantization=quantization, dtype="auto" if quantization else "float32", kv_cache_memory=2**24)
         decoder = llm.engine.executor.cpu_decoder
         # q and k are Q4_K but v is Q6_K: the fused qkv matrix stays float (one type a matrix)
         expected_types = [0, 13, 12, 14] * 2 + [14] if quantization else [0] * 9
@@ -423,22 +423,24 @@ def test_engine_serves_a_kquant_gguf_from_its_blocks(tmp_path, monkeypatch):
 
 
 def test_engine_serves_the_builtin_model_from_its_q4_1_blocks(builtin_dir, tokenizer):
-    """--quantization gguf: the built-in model's C step reads its Q4_1 blocks (Q8_0 LM head);
-    greedy tokens against the float32 path, and each chosen token's log-probability."""
+    """By default the built-in model's C step reads its Q4_1 blocks (Q8_0 LM head); `dtype
+    float32` keeps the dequantized path. Greedy tokens against the float32 path, and each
+    chosen token's log-probability."""
     from shoal.runtime.models.gguf_convert import gguf_source
 
     assert gguf_source(builtin_dir) is not None
     prompts = [tokenizer(t).input_ids for t in ("Once upon a time", "The capital of France is", "def fib(n):")]
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0, logprobs=0)
     runs = {}
-    for quantization in (None, "gguf"):
-        llm = LLM("builtin://smollm2-135m-instruct", quantization=quantization, kv_cache_memory=2**26)
+    for kind, options in (("float32", dict(dtype="float32")), ("default", {})):
+        llm = LLM("builtin://smollm2-135m-instruct", kv_cache_memory=2**26, **options)
         decoder = llm.engine.executor.cpu_decoder
-        assert decoder is not None and set(decoder.quantized_types) == ({3, 8} if quantization else {0})
-        runs[quantization] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert llm.engine.config.quantization == (None if options else "gguf")
+        assert decoder is not None and set(decoder.quantized_types) == ({0} if options else {3, 8})
+        runs[kind] = [o.outputs[0] for o in llm.generate(prompts, params)]
         llm.engine.shutdown()
     diffs = []
-    for fp32, quant in zip(runs[None], runs["gguf"]):
+    for fp32, quant in zip(runs["float32"], runs["default"]):
         same = 0
         for a, b, la, lb in zip(fp32.token_ids, quant.token_ids, fp32.logprobs, quant.logprobs):
             if a != b:
@@ -449,6 +451,18 @@ def test_engine_serves_the_builtin_model_from_its_q4_1_blocks(builtin_dir, token
     # the same weights; 8-bit inputs to each product move a chosen token's log-probability
     # by ~0.03 on average (measured 0.03 mean, 0.27 max over 213 tokens)
     assert sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.6, diffs
+
+
+def test_gguf_blocks_are_the_default_only_where_they_run():
+    """The blocks are the default for a model named as a GGUF, in one CPU process with the C
+    step, no dtype asked for and no LoRA; anything else keeps the float path it asked for."""
+    from shoal.runtime.config import EngineConfig
+
+    assert EngineConfig().quantization == "gguf"
+    assert EngineConfig(model="/models/x.Q4_1.gguf").quantization == "gguf"
+    for options in (dict(dtype="float32"), dict(device="cuda"), dict(tensor_parallel_size=2), dict(cpu_decode_max_seqs=0),
+                    dict(enable_lora=True), dict(model="/models/llama-dir"), dict(quantization="fp8")):
+        assert EngineConfig(**options).quantization == options.get("quantization"), options
 
 
 def test_quantization_needs_a_gguf_model(tmp_path, builtin_dir):

@@ -221,7 +221,7 @@ def test_every_serve_flag_has_help_and_a_default():
             assert "default" in HelpFormatter("shoal")._get_help_string(action), action.option_strings or action.dest
     text = " ".join(out.stdout.split())
     for needle in ("--max-num-seqs MAX_NUM_SEQS most sequences in the running batch (default: 256)", "--port PORT", "(default: 8000)",
-                   "--dtype", "(default: float32)", "-tp", "--gpu-memory-utilization", "--chat-template", "--allowed-origins"):
+                   "--dtype", "(default: auto)", "-tp", "--gpu-memory-utilization", "--chat-template", "--allowed-origins"):
         assert needle in text, needle
 
 
