@@ -78,7 +78,7 @@ def cast_and_finish(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         if isinstance(module, (MergedColumnLinear, RowLinear)):
             module.method.finish(module)
         elif hasattr(module, "quant") and hasattr(module, "finish"):  # layers/moe.py's FusedMoE: fp8 experts
-            module.finish()
+            module.finish(dtype)
     return model
 
 

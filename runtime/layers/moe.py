@@ -21,10 +21,12 @@ Checkpoint names, relative to the block (`block_sparse_moe.` in Mixtral, `mlp.` 
   experts.{gate_up,down}_proj_{blocks,scales}   gpt-oss's MXFP4 form of the two (dequantized at load)
   shared_experts.{gate,up,down}_proj.weight, gate.e_score_correction_bias   DeepSeek (no shared gate; V3's bias)
   experts.N.{gate,up,down}_proj.{weight_scale,input_scale}   FP8 experts (quantization/fp8.py's Fp8Experts)
+  experts.N.{gate,up,down}_proj.{qweight,qzeros,scales,...}   int4 experts, the format's dense names (int4.py)
 
 Quantized experts: the checkpoint's format gives the experts the LinearMethod a dense layer
-would get (`method_for("....experts")`); FP8 W8A8 (and --quantization fp8) is held, any other
-quantized format is refused at load.
+would get (`method_for("....experts")`); FP8 W8A8 (and --quantization fp8) and the int4
+formats (AWQ, GPTQ, compressed-tensors W4A16: quantization/int4.py's Int4Experts) are held,
+any other quantized format is refused at load.
 """
 
 from __future__ import annotations
@@ -119,13 +121,15 @@ class FusedMoE(nn.Module):
             self.owns_down_bias = expert_parallel or state.tp_rank == 0
         self.quant = None
         self.w13_scale = self.w2_scale = self.a13_scale = self.a2_scale = None
+        self.num_local = last - self.first_expert
         if method is not None and not isinstance(method, PlainLinear):
             from shoal.runtime.layers.quantization.fp8 import Fp8Experts, Fp8Linear
+            from shoal.runtime.layers.quantization.int4 import Int4Experts, Int4Linear
 
-            if not isinstance(method, Fp8Linear) or oai:
+            if not isinstance(method, (Fp8Linear, Int4Linear)) or oai:
                 raise ValueError(f"mixture-of-experts experts quantized as {type(method).__name__}"
-                                 f"{' (gpt-oss)' if oai else ''} are not supported: only FP8 W8A8 experts are")
-            self.quant = Fp8Experts(method, self)
+                                 f"{' (gpt-oss)' if oai else ''} are not supported: only FP8 W8A8 and int4 experts are")
+            self.quant = (Fp8Experts if isinstance(method, Fp8Linear) else Int4Experts)(method, self)
 
     def _load_oai(self, name: str, tensor: torch.Tensor) -> None:
         """gpt-oss's fused tensors (module docstring): gate/up de-interleaved into w13's halves."""
@@ -145,7 +149,7 @@ class FusedMoE(nn.Module):
         if name not in want:
             raise ValueError(f"unexpected expert weight {name!r}")
         _check_shape(name, tensor, want[name])
-        tensor = tensor[self.first_expert : self.first_expert + self.w13.shape[0]]
+        tensor = tensor[self.first_expert : self.first_expert + self.num_local]
         if name == "gate_up_proj":
             gate, up = tensor[..., 0::2].transpose(1, 2), tensor[..., 1::2].transpose(1, 2)  # [E, I, H] each
             self.w13.data[:, :n].copy_(gate[:, s : s + n])
@@ -158,10 +162,11 @@ class FusedMoE(nn.Module):
         elif self.owns_down_bias:
             self.w2_bias.data.copy_(tensor)
 
-    def finish(self) -> None:
-        """After the model's dtype cast (layers/linear.py's cast_and_finish): the fp8 scales."""
+    def finish(self, dtype) -> None:
+        """After the model's dtype cast (layers/linear.py's cast_and_finish): the fp8 scales, the
+        int4 experts' repacking."""
         if self.quant is not None:
-            self.quant.finish(self)
+            self.quant.finish(self, dtype)
 
     def check_loaded(self) -> None:
         if self._mxfp4:
@@ -174,10 +179,10 @@ class FusedMoE(nn.Module):
             return self._load_oai(name, tensor)
         if name in ("gate_up_proj", "down_proj"):  # every expert at once
             if self.quant is not None and self.quant.serialized:
-                raise ValueError(f"fp8 experts stored fused ({name!r}) are not supported: one tensor per expert")
+                raise ValueError(f"quantized experts stored fused ({name!r}) are not supported: one tensor per expert")
             want = (self.num_experts, 2 * I, self.hidden) if name == "gate_up_proj" else (self.num_experts, self.hidden, I)
             _check_shape(name, tensor, want)
-            tensor = tensor[self.first_expert : self.first_expert + self.w13.shape[0]]
+            tensor = tensor[self.first_expert : self.first_expert + self.num_local]
             if name == "gate_up_proj":
                 self.w13.data[:, :n].copy_(tensor[:, s : s + n])
                 self.w13.data[:, n:].copy_(tensor[:, I + s : I + s + n])
@@ -191,7 +196,7 @@ class FusedMoE(nn.Module):
         if e >= self.num_experts:
             raise ValueError(f"expert {e} in the checkpoint, but the config has {self.num_experts}")
         local = e - self.first_expert
-        mine = 0 <= local < self.w13.shape[0]
+        mine = 0 <= local < self.num_local
         if parts[2] != "weight":
             if self.quant is None:
                 raise ValueError(f"unexpected expert weight {name!r}")
@@ -213,6 +218,8 @@ class FusedMoE(nn.Module):
             alpha, limit = self.swiglu
             return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_bias, self.w2_bias,
                                  activation="swiglu_oai", alpha=alpha, limit=limit)
+        if hasattr(self.quant, "dequantize"):  # int4 on CPU: dequantized for each step, the float grouped GEMM
+            return ops.fused_moe(x, *self.quant.dequantize(self, x.dtype), topk_weights, topk_ids)
         if self.w13_scale is not None:
             return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, w13_scale=self.w13_scale,
                                  w2_scale=self.w2_scale, a13_scale=self.a13_scale, a2_scale=self.a2_scale)

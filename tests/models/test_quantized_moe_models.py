@@ -42,9 +42,13 @@ def run(path, prompts, fmt, **kw):
     try:
         blocks = [m for m in llm.engine.executor.model.modules() if type(m).__name__ == "SparseMoeBlock"]
         experts = blocks[0].experts
-        assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
-        assert experts.w13_scale.shape == experts.w13.shape[:2] and experts.w2_scale.shape == experts.w2.shape[:2]
-        assert (experts.a13_scale is not None) == (fmt == "ct-fp8-tensor-static")
+        if "fp8" in fmt:
+            assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
+            assert experts.w13_scale.shape == experts.w13.shape[:2] and experts.w2_scale.shape == experts.w2.shape[:2]
+            assert (experts.a13_scale is not None) == (fmt == "ct-fp8-tensor-static")
+        else:  # int4 on CPU: held packed, dequantized for each step
+            assert type(experts.quant).__name__ == "Int4Experts" and experts.q4_13.dtype == torch.int32
+            assert experts.q4_13.shape == (experts.num_local, 64 // 8, 2 * experts.local) and experts.w13.numel() == 0
         params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0, logprobs=5)
         return llm.generate(prompts, params)
     finally:
@@ -90,12 +94,32 @@ def test_fp8_at_load_quantizes_the_experts(tmp_path, builtin_dir):
     assert max(compare(outs, [[]] * len(prompts), first)[1]) > 1e-2
 
 
-@pytest.mark.parametrize("fmt", ["awq", "ct-w4a16"])
-def test_int4_experts_are_refused_at_load(fmt, tmp_path, builtin_dir):
+INT4_FORMATS = ["awq", "gptq", "ct-w4a16", "ct-w4a16-asym"]
+
+
+@pytest.mark.parametrize("fmt", INT4_FORMATS)
+def test_int4_experts_match_transformers_on_dequantized_weights(fmt, tmp_path, builtin_dir):
+    """Int4 weights only (activations float): the same arithmetic on the same weights, so
+    every prompt agrees to float32 rounding (group 32)."""
+    model, prompts = quantized_moe(tmp_path, builtin_dir, "qwen3_moe", fmt)
+    want, first = hf_reference(model, prompts, MAX_NEW)
+    same, worst = compare(run(tmp_path, prompts, fmt), want, first)
+    print(f"qwen3_moe {fmt}: {same}/{len(prompts)} sequences, max {max(worst):.2e}")
+    assert same >= SAME_FLOOR, f"{fmt}: {same} of {len(prompts)} prompts gave transformers' tokens"
+    assert max(worst) < CLOSE, (fmt, worst)
+
+
+def test_fp8_weight_only_experts_are_refused_at_load(tmp_path, builtin_dir):
+    """A format the experts cannot take (here compressed-tensors FP8 W8A16) stops the load with the reason."""
+    import json
+
     from transformers import AutoModelForCausalLM
 
     make_moe_model(tmp_path, builtin_dir, "qwen3_moe")
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    quantize_moe_checkpoint(model, tmp_path, fmt, [])
-    with pytest.raises(Exception, match="experts quantized as .* are not supported: only FP8 W8A8 experts are"):
+    quantize_moe_checkpoint(model, tmp_path, "ct-fp8-channel-dynamic", [])
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = None
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"fp8 weight-only \(W8A16\) experts are not supported"):
         LLM(str(tmp_path), kv_cache_memory=2**24, attention_backend="torch")

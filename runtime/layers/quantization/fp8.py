@@ -137,7 +137,7 @@ class Fp8Experts:
         else:
             raise ValueError(f"unexpected fp8 expert tensor {kind!r}")
 
-    def finish(self, moe) -> None:
+    def finish(self, moe, dtype) -> None:
         if not self.serialized:
             for name in ("w13", "w2"):
                 w = getattr(moe, name).data.float()
