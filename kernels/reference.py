@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shoal.kernels.quant_reference import quantize_fp8
+from shoal.kernels.quant_reference import int4_dequantize_experts, quantize_fp8
 
 
 FP8 = torch.float8_e4m3fn
@@ -253,7 +253,8 @@ def _gated(x, activation: str, alpha: float, limit: float):
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation: str = "silu",
-              alpha: float = 1.702, limit: float = 7.0, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None):
+              alpha: float = 1.702, limit: float = 7.0, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
+              w13_int4=None, w2_int4=None):
     """Gated experts, each token through its top-k: x [T, H] -> sum_j w_j * expert_{id_j}(x) [T, H].
 
     w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H, I] its down
@@ -270,7 +271,14 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, a
     w13_scale [E, 2I] and w2_scale [E, H] float32; each GEMM's input is rounded to float8 as
     the dense fp8 layers do (quant_reference.quantize_fp8: per row, or by the static a13_scale /
     a2_scale), the product taken in float32 and scaled by both.
+
+    Int4 experts (w13_int4 / w2_int4 given: (scales, zeros, g_idx) of quant_reference's layout
+    stacked over the experts, w13 [E, H/8, 2I] and w2 [E, I/8, H] the packed int32): the
+    experts are dequantized into x's dtype, then the float grouped GEMMs.
     """
+    if w13_int4 is not None:
+        w13 = int4_dequantize_experts(w13, *w13_int4).to(x.dtype)
+        w2 = int4_dequantize_experts(w2, *w2_int4).to(x.dtype)
     T, k = topk_ids.shape
     E = w13.shape[0]
     flat = topk_ids.reshape(-1).long()

@@ -218,8 +218,9 @@ class FusedMoE(nn.Module):
             alpha, limit = self.swiglu
             return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_bias, self.w2_bias,
                                  activation="swiglu_oai", alpha=alpha, limit=limit)
-        if hasattr(self.quant, "dequantize"):  # int4 on CPU: dequantized for each step, the float grouped GEMM
-            return ops.fused_moe(x, *self.quant.dequantize(self, x.dtype), topk_weights, topk_ids)
+        if hasattr(self.quant, "fused_moe_args"):  # int4 experts
+            w13, w2, w13_int4, w2_int4 = self.quant.fused_moe_args(self)
+            return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_int4=w13_int4, w2_int4=w2_int4)
         if self.w13_scale is not None:
             return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, w13_scale=self.w13_scale,
                                  w2_scale=self.w2_scale, a13_scale=self.a13_scale, a2_scale=self.a2_scale)

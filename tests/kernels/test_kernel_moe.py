@@ -287,3 +287,50 @@ def test_triton_fp8_experts_match_reference(shape, blocks, static):
     split = (inputs[0], inputs[1], inputs[2], w, ids)
     torch.testing.assert_close(fused_moe.launch(*split, block_m=bm, block_n=bn, block_k=bk, **scales),
                                ref.fused_moe(*split, **scales), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- int4 experts
+
+
+def _int4_experts(E, N, K, group, act_order=False):
+    """Random experts in quant_reference's int4 layout: (packed [E, K/8, N], (scales, zeros, g_idx))."""
+    from shoal.kernels import quant_reference as qref
+
+    q = torch.randint(0, 16, (E, K, N))
+    scales = torch.rand(E, K // group, N) * 0.05 + 0.01
+    zeros = torch.randint(0, 16, (E, K // group, N)).float()
+    g_idx = torch.stack([(torch.randperm(K) if act_order else torch.arange(K)) // group for _ in range(E)])
+    packed = torch.stack([qref.pack_int4_rows(q[e]) for e in range(E)])
+    return packed, (scales, zeros, g_idx.to(torch.int32))
+
+
+def _int4_inputs(T, H, I, E, k, act_order=False):
+    x, _, _, weights, ids = _moe_inputs(T, H, I, E, k, torch.float32)
+    q13, m13 = _int4_experts(E, 2 * I, H, 16, act_order)
+    q2, m2 = _int4_experts(E, H, I, 8, act_order)
+    return (x, q13, q2, weights, ids), dict(w13_int4=m13, w2_int4=m2)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_reference_int4_experts_are_the_dequantized_experts(act_order):
+    from shoal.kernels import quant_reference as qref
+
+    (x, q13, q2, weights, ids), extra = _int4_inputs(11, 64, 32, 6, 2, act_order)
+    w13 = qref.int4_dequantize_experts(q13, *extra["w13_int4"])
+    w2 = qref.int4_dequantize_experts(q2, *extra["w2_int4"])
+    got = ref.fused_moe(x, q13, q2, weights, ids, **extra)
+    _check(got, x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("shape,blocks", [((1, 32, 16, 4, 2), (16, 16, 16)), ((33, 48, 24, 6, 3), (16, 16, 32)),
+                                          ((9, 64, 48, 8, 2), (16, 32, 16))], ids=str)
+def test_triton_int4_experts_match_reference(shape, blocks, act_order):
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs, extra = _int4_inputs(*shape, act_order)
+    bm, bn, bk = blocks
+    got = fused_moe.launch(*inputs, block_m=bm, block_n=bn, block_k=bk, **extra)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref.fused_moe(*inputs, **extra), **TOL[torch.float32])

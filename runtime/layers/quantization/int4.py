@@ -86,15 +86,15 @@ class Int4Experts:
     parallel: gate/up keep this rank's n output columns, down its n input rows with every
     group's scales (their g_idx picks them), as a dense row-parallel act-order layer does.
 
-    The GEMMs dequantize the experts (quant_reference.int4_dequantize_experts) into the
-    model's dtype and run the float grouped GEMM; on a GPU that is done once, at load (no
-    dequantize-in-kernel for experts yet: the memory saving is lost there)."""
+    fused_moe takes them as they are (w13_int4 / w2_int4): the torch reference dequantizes the
+    experts into the model's dtype each step, then the float grouped GEMM; the Triton kernel
+    dequantizes each weight tile in registers."""
 
     serialized = True  # one tensor set per expert, never transformers' fused in-memory layout
 
     def __init__(self, method: Int4Linear, moe):
         self.method, self.pending = method, {}
-        moe.w13, moe.w2 = _param(0), _param(0)  # made in finish (GPU) or per step (CPU)
+        moe.w13, moe.w2 = _param(0), _param(0)  # the experts are q4_13 / q4_2 (finish)
 
     def load(self, moe, expert: int, local: int | None, which: int, kind: str, tensor) -> None:
         if kind not in self.method.checkpoint_names():
@@ -128,12 +128,8 @@ class Int4Experts:
             if len(whiches) == 2 and not torch.equal(g, torch.stack([parts[e, 1][3] for e in range(E)])):
                 raise ValueError("int4 experts: gate and up projections with different g_idx")
             moe.register_buffer(f"q4_{name}_g_idx", g.to(torch.int32).contiguous(), persistent=False)
-        if moe.q4_13.is_cuda:  # no int4 expert kernel: dequantized once, into the model's dtype
-            moe.w13, moe.w2 = (nn.Parameter(w, requires_grad=False) for w in self.dequantize(moe, dtype))
-            moe.quant = None
 
-    def dequantize(self, moe, dtype):
-        """(w13 [E, 2n, H], w2 [E, H, n]) in `dtype`."""
-        return tuple(ref.int4_dequantize_experts(getattr(moe, f"q4_{p}"), getattr(moe, f"q4_{p}_scales"),
-                                                 getattr(moe, f"q4_{p}_zeros"), getattr(moe, f"q4_{p}_g_idx")).to(dtype)
-                     for p in ("13", "2"))
+    def fused_moe_args(self, moe) -> tuple:
+        """(w13, w2, their int4 (scales, zeros, g_idx)) as fused_moe takes int4 experts."""
+        return (moe.q4_13, moe.q4_2, (moe.q4_13_scales, moe.q4_13_zeros, moe.q4_13_g_idx),
+                (moe.q4_2_scales, moe.q4_2_zeros, moe.q4_2_g_idx))
