@@ -62,3 +62,15 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 def int4_gemm(x: torch.Tensor, qweight, scales, zeros, g_idx) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype, computed in float32."""
     return (x.float() @ int4_dequantize(qweight, scales, zeros, g_idx)).to(x.dtype)
+
+
+def int4_dequantize_experts(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            g_idx: torch.Tensor) -> torch.Tensor:
+    """Stacked experts in the int4 layout (qweight [E, K / 8, N], scales and zeros [E, G, N],
+    g_idx [E, K]) -> W [E, N, K] float32, each expert's (out, in) weight as fused_moe takes it."""
+    E, K8, N = qweight.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = ((qweight[:, :, None, :] >> shifts[None, None, :, None]) & 0xF).reshape(E, K8 * 8, N)
+    g = g_idx.long()[..., None].expand(-1, -1, N)
+    w = (q.float() - zeros.float().gather(1, g)) * scales.float().gather(1, g)
+    return w.transpose(1, 2)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels.quant_reference import int4_dequantize_experts, quantize_fp8
+
 
 FP8 = torch.float8_e4m3fn
 
@@ -251,7 +253,8 @@ def _gated(x, activation: str, alpha: float, limit: float):
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation: str = "silu",
-              alpha: float = 1.702, limit: float = 7.0):
+              alpha: float = 1.702, limit: float = 7.0, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None,
+              w13_int4=None, w2_int4=None):
     """Gated experts, each token through its top-k: x [T, H] -> sum_j w_j * expert_{id_j}(x) [T, H].
 
     w13 [E, 2I, H] holds each expert's gate rows then its up rows, w2 [E, H, I] its down
@@ -263,7 +266,19 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, a
     expert's projections (the weight multiplies the down projection with its bias), and
     activation "swiglu_oai" is its clamped SwiGLU (swiglu_oai_and_mul, alpha and limit);
     "silu" is SwiGLU.
+
+    FP8 W8A8 experts (w13_scale given): w13 and w2 float8 e4m3 with a scale per output row,
+    w13_scale [E, 2I] and w2_scale [E, H] float32; each GEMM's input is rounded to float8 as
+    the dense fp8 layers do (quant_reference.quantize_fp8: per row, or by the static a13_scale /
+    a2_scale), the product taken in float32 and scaled by both.
+
+    Int4 experts (w13_int4 / w2_int4 given: (scales, zeros, g_idx) of quant_reference's layout
+    stacked over the experts, w13 [E, H/8, 2I] and w2 [E, I/8, H] the packed int32): the
+    experts are dequantized into x's dtype, then the float grouped GEMMs.
     """
+    if w13_int4 is not None:
+        w13 = int4_dequantize_experts(w13, *w13_int4).to(x.dtype)
+        w2 = int4_dequantize_experts(w2, *w2_int4).to(x.dtype)
     T, k = topk_ids.shape
     E = w13.shape[0]
     flat = topk_ids.reshape(-1).long()
@@ -274,16 +289,33 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, a
     expert = flat[order].clamp(max=E - 1)  # each sorted row's expert (rows of other ranks: any, dropped below)
     # bincount reads its input's max on the host (a sync, no CUDA graph); a scatter does not
     counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))[:E]
-    gate_up = _grouped_linear(x[token], w13, counts)  # [T*k, 2I]
+    if w13_scale is None:
+        gate_up = _grouped_linear(x[token], w13, counts)  # [T*k, 2I]
+    else:
+        gate_up = _fp8_grouped_linear(x, token, w13, w13_scale, a13_scale, counts, expert)
     if w13_bias is not None:
         gate_up = gate_up + w13_bias[expert]
     h = _gated(gate_up, activation, alpha, limit)  # [T*k, I]
-    down = _grouped_linear(h, w2, counts)
+    if w2_scale is None:
+        down = _grouped_linear(h, w2, counts)
+    else:
+        down = _fp8_grouped_linear(h, None, w2, w2_scale, a2_scale, counts, expert)
     if w2_bias is not None:
         down = down + w2_bias[expert]
     y = down.float() * topk_weights.reshape(-1)[order, None].float()
     y = torch.where(here[order, None], y, 0.0)  # rows past the segments were never computed
     return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+
+def _fp8_grouped_linear(x, index, w, w_scale, a_scale, counts, expert):
+    """W8A8 grouped GEMM: x (its rows `index`, or all) rounded to float8 as quant_reference's
+    dense fp8 GEMM does, times w [E, N, K] float8, scaled per row and per output channel;
+    returns x's dtype, like the dense layers."""
+    a, s = quantize_fp8(x, a_scale)  # per token before gathering: each token rounds once, whichever expert
+    if index is not None:
+        a, s = a[index], s[index]
+    out = _grouped_linear(a.float(), w.float(), counts) * s * w_scale.float()[expert]
+    return out.to(x.dtype)
 
 
 def _grouped_linear(rows, w, counts):

@@ -6,6 +6,7 @@ and return the dequantized float32 weights that transformers runs as the referen
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import torch
@@ -120,10 +121,10 @@ CT_FP8 = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynami
 
 
 def quantization_config(fmt: str, group: int = 128) -> dict | None:
-    if fmt in ("ct-fp8-tensor-static", "ct-fp8-channel-dynamic"):
+    if fmt in ("ct-fp8-tensor-static", "ct-fp8-channel-dynamic", "ct-fp8-channel-static"):
         static = fmt.endswith("static")
         scheme = json.loads(json.dumps(CT_FP8))
-        scheme["weights"]["strategy"] = "tensor" if static else "channel"
+        scheme["weights"]["strategy"] = "tensor" if "tensor" in fmt else "channel"
         scheme["input_activations"].update(strategy="tensor" if static else "token", dynamic=not static)
         return {"quant_method": "compressed-tensors", "format": "float-quantized",
                 "config_groups": {"group_0": {"targets": ["Linear"], **scheme}}, "ignore": ["lm_head"]}
@@ -141,6 +142,129 @@ def quantization_config(fmt: str, group: int = 128) -> dict | None:
     if fmt == "fp8-at-load":
         return None
     raise ValueError(fmt)
+
+
+def _quantize_one(fmt: str, name: str, w: torch.Tensor, group: int, input_amax=None):
+    """One projection's checkpoint tensors in `fmt` and its dequantized weight (the formats
+    quantize_checkpoint writes without act-order)."""
+    if fmt == "fp8-at-load":  # the checkpoint stays float; Shoal quantizes per channel at load
+        scale = w.abs().amax(1, keepdim=True) / 448.0
+        return {f"{name}.weight": w.clone()}, (w / scale).to(FP8).float() * scale
+    if fmt.startswith("ct-fp8"):
+        return quantize_fp8(name, w, per_channel="channel" in fmt, input_amax=input_amax)
+    if fmt == "awq":
+        return quantize_awq(name, w, group)
+    if fmt == "gptq":
+        return quantize_gptq(name, w, group)
+    if fmt.startswith("ct-w4a16"):
+        return quantize_w4a16(name, w, group, symmetric=fmt == "ct-w4a16")
+    raise ValueError(fmt)
+
+
+# ---------------------------------------------------------------- mixture-of-experts models
+
+# an expert projection as save_pretrained writes it (Mixtral: block_sparse_moe, w1/w3/w2)
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
+_PROJ = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}
+
+
+def _experts_modules(model) -> dict[int, torch.nn.Module]:
+    """transformers' fused in-memory experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) by layer."""
+    return {int(n.split(".")[2]): m for n, m in model.named_modules()
+            if n.endswith(".experts") and hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")}
+
+
+def patch_experts(model, round_input) -> None:
+    """Replace each experts module's forward with transformers' own loop (MixtralExperts /
+    Qwen3MoeExperts.forward) with `round_input(x, layer, expert, gemm)` applied to each GEMM's
+    input (gemm 0: gate/up, 1: down); round_input None restores the original."""
+    for layer, experts in _experts_modules(model).items():
+        if round_input is None:
+            experts.__dict__.pop("forward", None)
+            continue
+
+        def forward(hidden_states, top_k_index, top_k_weights, experts=experts, layer=layer):
+            out = torch.zeros_like(hidden_states)
+            for e in range(experts.num_experts):
+                tokens, pos = torch.where(top_k_index == e)
+                if not len(tokens):
+                    continue
+                x = round_input(hidden_states[tokens], layer, e, 0)
+                gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+                h = round_input(experts.act_fn(gate) * up, layer, e, 1)
+                y = torch.nn.functional.linear(h, experts.down_proj[e]) * top_k_weights[tokens, pos, None]
+                out.index_add_(0, tokens, y.to(out.dtype))
+            return out
+
+        experts.forward = forward
+
+
+def quantize_moe_checkpoint(model, path, fmt: str, prompts, group: int = 32):
+    """quantize_checkpoint for a mixture-of-experts model saved by save_pretrained (one file, one
+    tensor per expert and projection, as published checkpoints hold them): every expert
+    projection and dense linear layer written in `fmt` (routers, embeddings and lm_head stay
+    float), and the dequantized weights loaded into `model` in place."""
+    from safetensors.torch import load_file, save_file
+
+    amax, expert_amax = {}, {}
+    if fmt.endswith("-static"):  # calibration over the prompts: dense layers and every expert's two inputs
+        def record(x, layer, e, gemm):
+            key = (layer, e, gemm)
+            expert_amax[key] = max(expert_amax.get(key, 0.0), float(x.abs().amax()))
+            return x
+
+        patch_experts(model, record)
+        amax = _input_amax(model, prompts)
+        patch_experts(model, None)
+    experts = _experts_modules(model)
+    state = model.state_dict()
+    out = {}
+    for key, w in load_file(str(path / "model.safetensors")).items():
+        name, kind = key.rsplit(".", 1)
+        m = EXPERT.match(name)
+        if kind != "weight" or not (m or name.split(".")[-1] in LINEARS):
+            out[key] = w
+            continue
+        if m:
+            layer, e, proj = int(m.group(1)), int(m.group(2)), _PROJ[m.group(3)]
+            seen = expert_amax.get((layer, e, int(proj == 2)), 1.0) if expert_amax else None  # an unused expert: any scale
+            tensors, deq = _quantize_one(fmt, name, w, group, seen)
+            with torch.no_grad():
+                target = experts[layer].down_proj[e] if proj == 2 else experts[layer].gate_up_proj[e].chunk(2)[proj]
+                target.copy_(deq)
+        else:
+            tensors, deq = _quantize_one(fmt, name, w, group, amax.get(name))
+            state[key].copy_(deq)
+        out.update(tensors)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    qc = quantization_config(fmt, group)
+    if qc is not None:
+        cfg["quantization_config"] = {**qc, "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]}
+        if qc["quant_method"] != "compressed-tensors":
+            del cfg["quantization_config"]["ignore"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def fake_quant_experts(model, fmt: str, path) -> None:
+    """W8A8's activations in the reference's experts: each GEMM's input rounded through float8
+    per token, or (static) by the largest input_scale of that GEMM over the layer's experts."""
+    from safetensors.torch import load_file
+
+    static = {}
+    if fmt.endswith("-static"):
+        for key, v in load_file(str(path / "model.safetensors")).items():
+            m = EXPERT.match(key.removesuffix(".input_scale")) if key.endswith(".input_scale") else None
+            if m:
+                k = (int(m.group(1)), int(_PROJ[m.group(3)] == 2))
+                static[k] = max(static.get(k, 0.0), float(v))
+
+    def round_input(x, layer, e, gemm):
+        s = torch.tensor(static[(layer, gemm)]) if static else (x.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+        return ((x / s).clamp(-448, 448).to(FP8).float() * s).to(x.dtype)
+
+    patch_experts(model, round_input)
 
 
 def quantize_checkpoint(model, path, fmt: str, prompts, group: int = 128, seed: int = 0):
@@ -198,7 +322,7 @@ def fake_quant_activations(model, fmt: str, path) -> list:
     e4m3 (per token, or by the checkpoint's static input_scale) before transformers multiplies it."""
     from safetensors.torch import load_file
 
-    static = fmt == "ct-fp8-tensor-static"
+    static = fmt.endswith("-static")
     scales = {k[: -len(".input_scale")]: v for k, v in load_file(str(path / "model.safetensors")).items()
               if k.endswith(".input_scale")}
     hooks = []

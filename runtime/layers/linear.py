@@ -77,12 +77,14 @@ def cast_and_finish(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for module in model.modules():
         if isinstance(module, (MergedColumnLinear, RowLinear)):
             module.method.finish(module)
+        elif hasattr(module, "quant") and hasattr(module, "finish"):  # layers/moe.py's FusedMoE: fp8 experts
+            module.finish(dtype)
     return model
 
 
 def quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (MergedColumnLinear, RowLinear)) and not isinstance(m.method, PlainLinear)
-               for m in model.modules())
+    return any((isinstance(m, (MergedColumnLinear, RowLinear)) and not isinstance(m.method, PlainLinear))
+               or getattr(m, "quant", None) is not None for m in model.modules())
 
 
 class PlainLinear(LinearMethod):

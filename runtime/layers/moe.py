@@ -20,6 +20,13 @@ Checkpoint names, relative to the block (`block_sparse_moe.` in Mixtral, `mlp.` 
   experts.down_proj [E, I, H], experts.down_proj_bias [E, H]           gpt-oss
   experts.{gate_up,down}_proj_{blocks,scales}   gpt-oss's MXFP4 form of the two (dequantized at load)
   shared_experts.{gate,up,down}_proj.weight, gate.e_score_correction_bias   DeepSeek (no shared gate; V3's bias)
+  experts.N.{gate,up,down}_proj.{weight_scale,input_scale}   FP8 experts (quantization/fp8.py's Fp8Experts)
+  experts.N.{gate,up,down}_proj.{qweight,qzeros,scales,...}   int4 experts, the format's dense names (int4.py)
+
+Quantized experts: the checkpoint's format gives the experts the LinearMethod a dense layer
+would get (`method_for("....experts")`); FP8 W8A8 (and --quantization fp8) and the int4
+formats (AWQ, GPTQ, compressed-tensors W4A16: quantization/int4.py's Int4Experts) are held,
+any other quantized format is refused at load.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.runtime.distributed import SINGLE, ParallelState, shard_range, tp_all_reduce
-from shoal.runtime.layers.linear import MergedColumnLinear, RowLinear, kept
+from shoal.runtime.layers.linear import MergedColumnLinear, PlainLinear, RowLinear, kept
 
 _GATE, _UP, _DOWN = 0, 1, 2
 _EXPERT_LEAVES = {"w1": _GATE, "w3": _UP, "w2": _DOWN, "gate_proj": _GATE, "up_proj": _UP, "down_proj": _DOWN}
@@ -85,10 +92,14 @@ class FusedMoE(nn.Module):
 
     gpt-oss (`oai`: its checkpoint layout, biases, the clamped SwiGLU with `swiglu` = (alpha,
     limit)): w13_bias [E_local, 2*I_local] as w13's rows, w2_bias [E_local, H] held by the rank
-    that owns the expert's output (rank 0 when every rank holds a slice of each expert)."""
+    that owns the expert's output (rank 0 when every rank holds a slice of each expert).
+
+    `method`: the checkpoint's format for the experts (module docstring); FP8 keeps w13/w2 in
+    float8 with w13_scale [E_local, 2*I_local] and w2_scale [E_local, H] (set in finish)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
-                 expert_parallel: bool = False, oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0)):
+                 expert_parallel: bool = False, oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0),
+                 method=None):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         if expert_parallel:
@@ -108,6 +119,17 @@ class FusedMoE(nn.Module):
             self.w2_bias = _param(last - self.first_expert, hidden)
             self.w2_bias.data.zero_()
             self.owns_down_bias = expert_parallel or state.tp_rank == 0
+        self.quant = None
+        self.w13_scale = self.w2_scale = self.a13_scale = self.a2_scale = None
+        self.num_local = last - self.first_expert
+        if method is not None and not isinstance(method, PlainLinear):
+            from shoal.runtime.layers.quantization.fp8 import Fp8Experts, Fp8Linear
+            from shoal.runtime.layers.quantization.int4 import Int4Experts, Int4Linear
+
+            if not isinstance(method, (Fp8Linear, Int4Linear)) or oai:
+                raise ValueError(f"mixture-of-experts experts quantized as {type(method).__name__}"
+                                 f"{' (gpt-oss)' if oai else ''} are not supported: only FP8 W8A8 and int4 experts are")
+            self.quant = (Fp8Experts if isinstance(method, Fp8Linear) else Int4Experts)(method, self)
 
     def _load_oai(self, name: str, tensor: torch.Tensor) -> None:
         """gpt-oss's fused tensors (module docstring): gate/up de-interleaved into w13's halves."""
@@ -127,7 +149,7 @@ class FusedMoE(nn.Module):
         if name not in want:
             raise ValueError(f"unexpected expert weight {name!r}")
         _check_shape(name, tensor, want[name])
-        tensor = tensor[self.first_expert : self.first_expert + self.w13.shape[0]]
+        tensor = tensor[self.first_expert : self.first_expert + self.num_local]
         if name == "gate_up_proj":
             gate, up = tensor[..., 0::2].transpose(1, 2), tensor[..., 1::2].transpose(1, 2)  # [E, I, H] each
             self.w13.data[:, :n].copy_(gate[:, s : s + n])
@@ -140,6 +162,12 @@ class FusedMoE(nn.Module):
         elif self.owns_down_bias:
             self.w2_bias.data.copy_(tensor)
 
+    def finish(self, dtype) -> None:
+        """After the model's dtype cast (layers/linear.py's cast_and_finish): the fp8 scales, the
+        int4 experts' repacking."""
+        if self.quant is not None:
+            self.quant.finish(self, dtype)
+
     def check_loaded(self) -> None:
         if self._mxfp4:
             raise ValueError(f"MXFP4 expert weights without their other half: {sorted(self._mxfp4)}")
@@ -150,9 +178,11 @@ class FusedMoE(nn.Module):
         if self.oai:
             return self._load_oai(name, tensor)
         if name in ("gate_up_proj", "down_proj"):  # every expert at once
+            if self.quant is not None and self.quant.serialized:
+                raise ValueError(f"quantized experts stored fused ({name!r}) are not supported: one tensor per expert")
             want = (self.num_experts, 2 * I, self.hidden) if name == "gate_up_proj" else (self.num_experts, self.hidden, I)
             _check_shape(name, tensor, want)
-            tensor = tensor[self.first_expert : self.first_expert + self.w13.shape[0]]
+            tensor = tensor[self.first_expert : self.first_expert + self.num_local]
             if name == "gate_up_proj":
                 self.w13.data[:, :n].copy_(tensor[:, s : s + n])
                 self.w13.data[:, n:].copy_(tensor[:, I + s : I + s + n])
@@ -160,14 +190,20 @@ class FusedMoE(nn.Module):
                 self.w2.data.copy_(tensor[:, :, s : s + n])
             return
         parts = name.split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _EXPERT_LEAVES or parts[2] != "weight":
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _EXPERT_LEAVES:
             raise ValueError(f"unexpected expert weight {name!r}")
         e, which = int(parts[0]), _EXPERT_LEAVES[parts[1]]
         if e >= self.num_experts:
             raise ValueError(f"expert {e} in the checkpoint, but the config has {self.num_experts}")
-        e -= self.first_expert
-        if not 0 <= e < self.w13.shape[0]:
+        local = e - self.first_expert
+        mine = 0 <= local < self.num_local
+        if parts[2] != "weight":
+            if self.quant is None:
+                raise ValueError(f"unexpected expert weight {name!r}")
+            return self.quant.load(self, e, local if mine else None, which, parts[2], tensor)
+        if not mine:
             return  # another rank's expert
+        e = local
         if which == _DOWN:
             _check_shape(name, tensor, (self.hidden, I))
             self.w2.data[e].copy_(tensor[:, s : s + n])
@@ -182,6 +218,12 @@ class FusedMoE(nn.Module):
             alpha, limit = self.swiglu
             return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_bias, self.w2_bias,
                                  activation="swiglu_oai", alpha=alpha, limit=limit)
+        if hasattr(self.quant, "fused_moe_args"):  # int4 experts
+            w13, w2, w13_int4, w2_int4 = self.quant.fused_moe_args(self)
+            return ops.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_int4=w13_int4, w2_int4=w2_int4)
+        if self.w13_scale is not None:
+            return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, w13_scale=self.w13_scale,
+                                 w2_scale=self.w2_scale, a13_scale=self.a13_scale, a2_scale=self.a2_scale)
         return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
 
@@ -211,7 +253,8 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, state: ParallelState = SINGLE,
                  renormalize: bool = True, shared_intermediate: int = 0, expert_parallel: bool = False,
-                 oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0), grouped: GroupedRouting | None = None):
+                 oai: bool = False, swiglu: tuple[float, float] = (1.702, 7.0), grouped: GroupedRouting | None = None,
+                 method=None, shared_method_for=None, prefix: str = "mlp"):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"cannot route each token to {top_k} of {num_experts} experts")
@@ -220,7 +263,8 @@ class SparseMoeBlock(nn.Module):
         # gpt-oss (oai): a biased router whose top-k logits are softmaxed among themselves
         self.topk_softmax = oai
         self.gate_bias = _param(num_experts) if oai else None
-        self.experts = FusedMoE(num_experts, hidden, intermediate, state, expert_parallel, oai=oai, swiglu=swiglu)
+        self.experts = FusedMoE(num_experts, hidden, intermediate, state, expert_parallel, oai=oai, swiglu=swiglu,
+                                method=method)
         self.shared_expert = self.shared_expert_gate = None
         self.grouped, self.correction_bias = grouped, None
         if grouped is not None:  # DeepSeek routes in float32 (transformers keeps the gate so)
@@ -231,29 +275,38 @@ class SparseMoeBlock(nn.Module):
                 self.correction_bias = kept(_param(num_experts))
                 self.correction_bias.data.zero_()
         if shared_intermediate:
-            self.shared_expert = SharedExpert(hidden, shared_intermediate, state)
+            name = "shared_expert" if grouped is None else "shared_experts"
+            methods = [shared_method_for(f"{prefix}.{name}.{p}") if shared_method_for else None
+                       for p in ("gate_up_proj", "down_proj")]
+            self.shared_expert = SharedExpert(hidden, shared_intermediate, state, *methods)
             if grouped is None:  # Qwen2-MoE gates its shared expert; DeepSeek's shared experts just add
                 self.shared_expert_gate = _param(1, hidden)
 
     @classmethod
-    def from_config(cls, cfg, state: ParallelState = SINGLE, expert_parallel: bool = False) -> "SparseMoeBlock":
+    def from_config(cls, cfg, state: ParallelState = SINGLE, expert_parallel: bool = False,
+                    method_for=None, prefix: str = "mlp") -> "SparseMoeBlock":
+        """`method_for(name)`: the checkpoint format's LinearMethod of the experts (FusedMoE's
+        `method`) and of a shared expert's projections; None: float."""
+        method = method_for(f"{prefix}.experts") if method_for else None
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (silu only)")
         if cfg.model_type == "mixtral":  # always renormalises its top-k
             return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, state,
-                       expert_parallel=expert_parallel)
+                       expert_parallel=expert_parallel, method=method)
         if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
             shared = getattr(cfg, "shared_expert_intermediate_size", 0) if cfg.model_type == "qwen2_moe" else 0
             return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, state,
-                       renormalize=bool(cfg.norm_topk_prob), shared_intermediate=shared, expert_parallel=expert_parallel)
+                       renormalize=bool(cfg.norm_topk_prob), shared_intermediate=shared,
+                       expert_parallel=expert_parallel, method=method, shared_method_for=method_for, prefix=prefix)
         if cfg.model_type == "gpt_oss":
             return cls(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size, state,
                        renormalize=False, expert_parallel=expert_parallel, oai=True,
-                       swiglu=(float(cfg.swiglu_alpha), float(cfg.swiglu_limit)))
+                       swiglu=(float(cfg.swiglu_alpha), float(cfg.swiglu_limit)), method=method)
         if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
             return cls(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, state,
                        shared_intermediate=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
-                       expert_parallel=expert_parallel, grouped=deepseek_routing(cfg))
+                       expert_parallel=expert_parallel, grouped=deepseek_routing(cfg), method=method,
+                       shared_method_for=method_for, prefix=prefix)
         raise ValueError(f"no mixture-of-experts block for model type {cfg.model_type!r}")
 
     def route(self, x):
@@ -321,17 +374,20 @@ def deepseek_routing(cfg) -> GroupedRouting:
 class SharedExpert(nn.Module):
     """A dense SwiGLU MLP whose down projection leaves its partial sum unreduced (the block reduces)."""
 
-    def __init__(self, hidden: int, intermediate: int, state: ParallelState = SINGLE):
+    def __init__(self, hidden: int, intermediate: int, state: ParallelState = SINGLE, gate_up_method=None,
+                 down_method=None):
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden, [intermediate] * 2, state)
-        self.down_proj = RowLinear(intermediate, hidden, state, reduce=False)
+        self.gate_up_proj = MergedColumnLinear(hidden, [intermediate] * 2, state,
+                                               **({"method": gate_up_method} if gate_up_method else {}))
+        self.down_proj = RowLinear(intermediate, hidden, state, reduce=False,
+                                   **({"method": down_method} if down_method else {}))
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
-        leaf = name.removesuffix(".weight")
+        leaf, kind = name.split(".", 1) if "." in name else (name, "weight")  # kind: weight, weight_scale, qweight, ...
         if leaf in ("gate_proj", "up_proj"):
-            self.gate_up_proj.load(tensor, _EXPERT_LEAVES[leaf])
+            self.gate_up_proj.load(tensor, _EXPERT_LEAVES[leaf], kind)
         elif leaf == "down_proj":
-            self.down_proj.load(tensor)
+            self.down_proj.load(tensor, kind)
         else:
             raise ValueError(f"unexpected shared expert weight {name!r}")
 

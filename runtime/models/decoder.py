@@ -178,7 +178,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         if spec.norms != "pre":
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.mlp = (SparseMoeBlock.from_config(cfg, state) if spec.moe_layers[layer]
+        self.mlp = (SparseMoeBlock.from_config(cfg, state, method_for=method_for, prefix=f"model.layers.{layer}.mlp")
+                    if spec.moe_layers[layer]
                     else MLP(cfg, spec, layer, state, method_for))
 
     def forward(self, ops, positions, x, residual, kv_cache, meta, rope):

@@ -99,3 +99,39 @@ def test_gpt_oss_on_triton_equals_transformers(tmp_path, builtin_dir):
     llm = LLM(model=str(path), attention_backend="triton", kv_cache_memory=2**22, max_num_batched_tokens=16, block_size=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0))
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8-tensor-static", "awq"])
+def test_quantized_moe_model_triton_equals_torch(tmp_path, builtin_dir, fmt):
+    """Qwen2-MoE with quantized experts (FP8 W8A8 or AWQ int4) and shared expert (the dense
+    methods): fused_moe's fp8 and int4 paths in the Triton kernel, wired through the engine,
+    give the torch backend's greedy tokens and first-step log-probs."""
+    pytest.importorskip("triton")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quant_checkpoints import quantize_moe_checkpoint
+    from shoal import LLM, SamplingParams
+
+    path = make_tiny_model(tmp_path, builtin_dir, arch="qwen2_moe", num_hidden_layers=2, hidden_size=64,
+                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[100, 2000, 3000, 4000, 5000], [7], list(range(300, 321))]
+    quantize_moe_checkpoint(model, path, fmt, prompts)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=str(path), attention_backend=backend, kv_cache_memory=2**22, max_num_batched_tokens=16)
+        try:
+            block = next(m for m in llm.engine.executor.model.modules() if type(m).__name__ == "SparseMoeBlock")
+            assert block.experts.quant is not None
+            assert type(block.shared_expert.down_proj.method).__name__ == ("AwqLinear" if fmt == "awq" else "Fp8Linear")
+            outs[backend] = llm.generate(prompts,
+                                         SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))
+        finally:
+            llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs["triton"]] == [o.outputs[0].token_ids for o in outs["torch"]]
+    for a, b in zip(outs["triton"], outs["torch"]):
+        for token, lp in b.outputs[0].logprobs[0].items():
+            got = a.outputs[0].logprobs[0][token]
+            assert abs(getattr(got, "logprob", got) - getattr(lp, "logprob", lp)) < 1e-3

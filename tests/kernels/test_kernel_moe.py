@@ -209,3 +209,128 @@ def test_triton_biased_clamped_swiglu(shape, dtype, blocks):
     tol = dict(TOL[dtype], atol=TOL[dtype]["atol"] * float(want.abs().max()))  # outputs of tens: half rounding scales
     torch.testing.assert_close(got.double(), want, **tol)
     torch.testing.assert_close(got.float(), ref.fused_moe(*inputs, **extra).float(), **tol)
+
+
+# ---------------------------------------------------------------- FP8 W8A8 experts
+
+
+def _fp8_inputs(T, H, I, E, k, per_tensor=False):
+    """Float8 experts with a scale per output row (per_tensor: one per expert projection,
+    repeated over its rows, as the MoE block expands a per-tensor checkpoint's)."""
+    x, w13, w2, weights, ids = _moe_inputs(T, H, I, E, k, torch.float32)
+
+    def quantize(w, parts):
+        rows = w.abs().amax(-1)  # [E, N]
+        if per_tensor:
+            rows = rows.view(E, parts, -1).amax(-1, keepdim=True).expand(E, parts, w.shape[1] // parts).reshape(E, -1)
+        scale = rows / 448.0
+        return (w / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+    w13_q, s13 = quantize(w13, 2)
+    w2_q, s2 = quantize(w2, 1)
+    return (x, w13_q, w2_q, weights, ids), dict(w13_scale=s13, w2_scale=s2)
+
+
+def _naive_fp8(x, w13, w2, weights, ids, w13_scale, w2_scale, a13_scale=None, a2_scale=None):
+    """Token by token in float64 on the dequantized weights, each GEMM's input rounded to
+    float8 as W8A8 defines (per token from its amax, or by the static scale)."""
+    def rounded(v, static):
+        s = torch.tensor(float(static)) if static is not None else (v.abs().amax() / 448.0).clamp_min(1e-12)
+        return ((v.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s.double())
+
+    T, k = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for t in range(T):
+        xt = rounded(x[t], a13_scale)
+        for j in range(k):
+            e = int(ids[t, j])
+            gate_up = (w13[e].double() * w13_scale[e].double()[:, None]) @ xt
+            h = naive.silu_and_mul(gate_up.float()[None])[0]  # the model's dtype between the GEMMs
+            h = rounded(h.float(), a2_scale)
+            out[t] += float(weights[t, j]) * ((w2[e].double() * w2_scale[e].double()[:, None]) @ h)
+    return out
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["channel", "tensor"])
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "padded_bmm"])
+def test_reference_fp8_experts(per_tensor, static, grouped_mm, monkeypatch):
+    if not grouped_mm:
+        monkeypatch.setattr(ref, "_grouped_mm_fits", lambda rows, w: False)
+    inputs, scales = _fp8_inputs(13, 64, 32, 6, 2, per_tensor)
+    if static:
+        scales.update(a13_scale=torch.tensor(4.0 / 448), a2_scale=torch.tensor(0.5 / 448))
+    got = ref.fused_moe(*inputs, **scales)
+    torch.testing.assert_close(got.double(), _naive_fp8(*inputs, **scales), atol=1e-4, rtol=1e-4)
+    # the rounding is there: the float product on the same dequantized weights differs
+    x, w13, w2, weights, ids = inputs
+    deq = (x, w13.float() * scales["w13_scale"][..., None], w2.float() * scales["w2_scale"][..., None], weights, ids)
+    assert not torch.allclose(got, ref.fused_moe(*deq), atol=1e-4)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("shape,blocks", [((1, 32, 16, 4, 2), (16, 16, 16)), ((33, 48, 20, 6, 3), (16, 16, 32)),
+                                          ((9, 64, 48, 8, 2), (16, 32, 16))], ids=str)
+def test_triton_fp8_experts_match_reference(shape, blocks, static):
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs, scales = _fp8_inputs(*shape)
+    if static:
+        scales.update(a13_scale=torch.tensor(4.0 / 448), a2_scale=torch.tensor(0.5 / 448))
+    bm, bn, bk = blocks
+    got = fused_moe.launch(*inputs, block_m=bm, block_n=bn, block_k=bk, **scales)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref.fused_moe(*inputs, **scales), atol=1e-4, rtol=1e-4)
+    # other ranks' experts (ids outside the local range) add nothing here either
+    _, _, _, w, ids = _split_routing(shape[0], *shape[1:4], shape[4], torch.float32)
+    split = (inputs[0], inputs[1], inputs[2], w, ids)
+    torch.testing.assert_close(fused_moe.launch(*split, block_m=bm, block_n=bn, block_k=bk, **scales),
+                               ref.fused_moe(*split, **scales), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- int4 experts
+
+
+def _int4_experts(E, N, K, group, act_order=False):
+    """Random experts in quant_reference's int4 layout: (packed [E, K/8, N], (scales, zeros, g_idx))."""
+    from shoal.kernels import quant_reference as qref
+
+    q = torch.randint(0, 16, (E, K, N))
+    scales = torch.rand(E, K // group, N) * 0.05 + 0.01
+    zeros = torch.randint(0, 16, (E, K // group, N)).float()
+    g_idx = torch.stack([(torch.randperm(K) if act_order else torch.arange(K)) // group for _ in range(E)])
+    packed = torch.stack([qref.pack_int4_rows(q[e]) for e in range(E)])
+    return packed, (scales, zeros, g_idx.to(torch.int32))
+
+
+def _int4_inputs(T, H, I, E, k, act_order=False):
+    x, _, _, weights, ids = _moe_inputs(T, H, I, E, k, torch.float32)
+    q13, m13 = _int4_experts(E, 2 * I, H, 16, act_order)
+    q2, m2 = _int4_experts(E, H, I, 8, act_order)
+    return (x, q13, q2, weights, ids), dict(w13_int4=m13, w2_int4=m2)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_reference_int4_experts_are_the_dequantized_experts(act_order):
+    from shoal.kernels import quant_reference as qref
+
+    (x, q13, q2, weights, ids), extra = _int4_inputs(11, 64, 32, 6, 2, act_order)
+    w13 = qref.int4_dequantize_experts(q13, *extra["w13_int4"])
+    w2 = qref.int4_dequantize_experts(q2, *extra["w2_int4"])
+    got = ref.fused_moe(x, q13, q2, weights, ids, **extra)
+    _check(got, x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("shape,blocks", [((1, 32, 16, 4, 2), (16, 16, 16)), ((33, 48, 24, 6, 3), (16, 16, 32)),
+                                          ((9, 64, 48, 8, 2), (16, 32, 16))], ids=str)
+def test_triton_int4_experts_match_reference(shape, blocks, act_order):
+    pytest.importorskip("triton")
+    from shoal.kernels import fused_moe
+
+    inputs, extra = _int4_inputs(*shape, act_order)
+    bm, bn, bk = blocks
+    got = fused_moe.launch(*inputs, block_m=bm, block_n=bn, block_k=bk, **extra)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref.fused_moe(*inputs, **extra), **TOL[torch.float32])

@@ -68,3 +68,16 @@ def test_int4_packing_round_trips():
     assert packed.dtype == torch.int32 and packed.shape == (8, 24)
     assert torch.equal(ref.unpack_int4_rows(packed), q)
     assert int(packed[0, 0]) == sum(int(q[i, 0]) << (4 * i) for i in range(8)) - (2**32 if q[7, 0] >= 8 else 0)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_dequantize_experts_is_each_experts_dequantize(act_order):
+    """MoE experts stacked in the int4 layout dequantize to each expert's W, as fused_moe takes it ([N, K])."""
+    E, K, N, group = 3, 64, 24, 16
+    experts = [_int4_operands(K, N, group, act_order) for _ in range(E)]
+    stacked = [torch.stack([ops[i] for ops in experts]) for i in range(1, 5)]  # packed, scales, zeros, g_idx
+    got = ref.int4_dequantize_experts(*stacked)
+    for e, (q, *ops) in enumerate(experts):
+        torch.testing.assert_close(got[e], ref.int4_dequantize(*ops).t(), rtol=0, atol=0)
+        g = ops[3].long()
+        torch.testing.assert_close(got[e], ((q.float() - ops[2][g]) * ops[1][g]).t(), rtol=0, atol=0)

@@ -81,3 +81,73 @@ def _scaled_mm(a, a_scale, w, w_scale, out_dtype):
     from shoal.kernels import quant_gemm
 
     return quant_gemm.fp8_scaled_mm(a, a_scale, w, w_scale, out_dtype)
+
+
+class Fp8Experts:
+    """FP8 W8A8 experts of a FusedMoE (layers/moe.py), as Fp8Linear holds a dense layer: w13
+    [E, 2n, H] and w2 [E, H, n] float8, a scale per output row ([E, 2n] and [E, H] float32;
+    a per-tensor checkpoint's one scale per expert projection is repeated over its rows),
+    activations per token or by one static scale per GEMM: the largest input_scale over the
+    experts' gate/up projections for the first (every expert sees the same token), over their
+    down projections for the second, as vLLM does. --quantization fp8: the float experts are
+    quantized in finish, a scale per output channel of this rank's slice, dynamic activations.
+
+    Checkpoint tensors per expert and projection: weight, weight_scale (one value, or [out, 1]),
+    input_scale (static)."""
+
+    def __init__(self, method: Fp8Linear, moe):
+        if method.activations is None:
+            raise ValueError("fp8 weight-only (W8A16) experts are not supported (W8A8 only)")
+        self.per_channel, self.serialized = method.per_channel, method.serialized
+        self.static = method.activations == "static"
+        E, n, H = moe.w13.shape[0], moe.local, moe.hidden
+        if not self.serialized:  # a float checkpoint: quantized in finish, from float32
+            moe.w13, moe.w2 = kept(moe.w13), kept(moe.w2)
+            return
+        moe.w13 = kept(nn.Parameter(torch.empty(E, 2 * n, H, dtype=ref.FP8), requires_grad=False))
+        moe.w2 = kept(nn.Parameter(torch.empty(E, H, n, dtype=ref.FP8), requires_grad=False))
+        moe.w13_weight_scale = kept(_param(E, 2 * n) if self.per_channel else _param(E, 2))
+        moe.w2_weight_scale = kept(_param(E, H) if self.per_channel else _param(E, 1))
+        if self.static:  # every expert's, on every rank: the static scale is their largest
+            moe.w13_input_scale = kept(_param(moe.num_experts, 2))
+            moe.w2_input_scale = kept(_param(moe.num_experts))
+
+    def load(self, moe, expert: int, local: int | None, which: int, kind: str, tensor) -> None:
+        """A scale of `expert` (`local`: its index on this rank, None if another rank's);
+        which: 0 gate, 1 up, 2 down."""
+        s, n = moe.start, moe.local
+        if kind == "input_scale" and self.static:
+            if tensor.numel() != 1:
+                raise ValueError(f"expert {expert}: input_scale must be one value, got {tuple(tensor.shape)}")
+            target = moe.w2_input_scale.data[expert] if which == 2 else moe.w13_input_scale.data[expert, which]
+            target.copy_(tensor.reshape(()))
+        elif kind == "weight_scale" and self.serialized:
+            if local is None:
+                return
+            t = tensor.float().reshape(-1)
+            if not self.per_channel:
+                if t.numel() != 1:
+                    raise ValueError(f"expert {expert}: a per-tensor weight_scale must be one value, got {tuple(tensor.shape)}")
+                target = moe.w2_weight_scale.data[local, 0] if which == 2 else moe.w13_weight_scale.data[local, which]
+                target.copy_(t[0])
+            elif which == 2:
+                moe.w2_weight_scale.data[local].copy_(t)  # the down projection's outputs are not split
+            else:
+                moe.w13_weight_scale.data[local, which * n : (which + 1) * n].copy_(t[s : s + n])
+        else:
+            raise ValueError(f"unexpected fp8 expert tensor {kind!r}")
+
+    def finish(self, moe, dtype) -> None:
+        if not self.serialized:
+            for name in ("w13", "w2"):
+                w = getattr(moe, name).data.float()
+                scale = (w.abs().amax(-1) / ref.FP8_MAX).clamp_min(1e-12)
+                setattr(moe, name, kept(nn.Parameter((w / scale[..., None]).to(ref.FP8), requires_grad=False)))
+                setattr(moe, f"{name}_scale", scale)
+        elif self.per_channel:
+            moe.w13_scale, moe.w2_scale = moe.w13_weight_scale.data.float(), moe.w2_weight_scale.data.float()
+        else:
+            moe.w13_scale = moe.w13_weight_scale.data.float().repeat_interleave(moe.local, dim=1)
+            moe.w2_scale = moe.w2_weight_scale.data.float().expand(-1, moe.hidden).contiguous()
+        moe.a13_scale = moe.w13_input_scale.data.float().max() if self.static else None
+        moe.a2_scale = moe.w2_input_scale.data.float().max() if self.static else None

@@ -75,3 +75,61 @@ class Int4Linear(LinearMethod):
 def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     """[R, C / 8] int32 packed along the last dim (column 8c + i in bits 4i..) -> [R, C]."""
     return ref.unpack_int4_rows(packed.t().contiguous()).t()
+
+
+class Int4Experts:
+    """Int4 experts of a FusedMoE (layers/moe.py): each expert projection's checkpoint tensors
+    (its format's, one set per expert, as a dense layer of the format holds them) are kept as
+    loaded and, in finish, turned by the format's own `canonical` into int4.py's one layout,
+    stacked over the experts: q4_13 [E, H/8, 2n] (gate then up columns), q4_2 [E, n/8, H] int32
+    packed along the inputs, scales and zero points [E, G, N] float32, g_idx [E, K]. Tensor
+    parallel: gate/up keep this rank's n output columns, down its n input rows with every
+    group's scales (their g_idx picks them), as a dense row-parallel act-order layer does.
+
+    fused_moe takes them as they are (w13_int4 / w2_int4): the torch reference dequantizes the
+    experts into the model's dtype each step, then the float grouped GEMM; the Triton kernel
+    dequantizes each weight tile in registers."""
+
+    serialized = True  # one tensor set per expert, never transformers' fused in-memory layout
+
+    def __init__(self, method: Int4Linear, moe):
+        self.method, self.pending = method, {}
+        moe.w13, moe.w2 = _param(0), _param(0)  # the experts are q4_13 / q4_2 (finish)
+
+    def load(self, moe, expert: int, local: int | None, which: int, kind: str, tensor) -> None:
+        if kind not in self.method.checkpoint_names():
+            raise ValueError(f"{type(self.method).__name__} experts hold no tensor {kind!r}")
+        if local is not None:
+            self.pending.setdefault((local, which), {})[kind] = tensor
+
+    def finish(self, moe, dtype) -> None:
+        from types import SimpleNamespace
+
+        E, s, n = moe.num_local, moe.start, moe.local
+        if len(self.pending) != 3 * E:
+            raise ValueError(f"int4 experts: {3 * E - len(self.pending)} expert projections missing from the checkpoint")
+        parts = {}
+        for (e, which), tensors in sorted(self.pending.items()):
+            q, scales, zeros, g_idx = self.method.canonical(SimpleNamespace(**tensors))  # [K, N]: W = (q - z) * s
+            if which == 2:
+                q, g_idx = q[s : s + n], g_idx[s : s + n]
+            else:
+                q, scales, zeros = q[:, s : s + n], scales[:, s : s + n], zeros[:, s : s + n]
+            parts[e, which] = (q, scales.float(), zeros.float(), g_idx)
+        self.pending = {}
+        for name, whiches in (("13", (0, 1)), ("2", (2,))):
+            q, scales, zeros = (torch.stack([torch.cat([parts[e, w][i] for w in whiches], dim=1) for e in range(E)])
+                                for i in range(3))
+            moe.register_buffer(f"q4_{name}", torch.stack([ref.pack_int4_rows(x) for x in q]), persistent=False)
+            moe.register_buffer(f"q4_{name}_scales", scales.contiguous(), persistent=False)
+            moe.register_buffer(f"q4_{name}_zeros", zeros.contiguous(), persistent=False)
+            # gate and up see the same inputs: one g_idx per expert (act-order GPTQ gives them one)
+            g = torch.stack([parts[e, whiches[0]][3] for e in range(E)])
+            if len(whiches) == 2 and not torch.equal(g, torch.stack([parts[e, 1][3] for e in range(E)])):
+                raise ValueError("int4 experts: gate and up projections with different g_idx")
+            moe.register_buffer(f"q4_{name}_g_idx", g.to(torch.int32).contiguous(), persistent=False)
+
+    def fused_moe_args(self, moe) -> tuple:
+        """(w13, w2, their int4 (scales, zeros, g_idx)) as fused_moe takes int4 experts."""
+        return (moe.q4_13, moe.q4_2, (moe.q4_13_scales, moe.q4_13_zeros, moe.q4_13_g_idx),
+                (moe.q4_2_scales, moe.q4_2_zeros, moe.q4_2_g_idx))
