@@ -72,7 +72,7 @@ def _read(conn, inbox: queue.SimpleQueue) -> None:
 class Core:
     def __init__(self, engine, conn, inbox: queue.SimpleQueue):
         self.engine, self.conn, self.inbox = engine, conn, inbox
-        self.requests: dict = {}  # id -> the engine's Request, for each sequence's drop_last_text
+        self.requests: dict = {}  # id -> the engine's Request, while it runs here
         self.errors: list[tuple[str, str]] = []  # adds that failed here: (id, why)
         self.adds_seen = 0
         self.events_seq, self.events_epoch = 0, None
@@ -128,17 +128,26 @@ class Core:
         else:
             raise ValueError(f"unknown message {kind!r}")
 
-    def _send_step(self, outputs: list) -> None:
+    def _send_step(self, advanced: list) -> None:
+        """`advanced`: the Requests the step advanced (LLMEngine(detokenize=False).step())."""
         items = []
-        for out in outputs:
-            request = self.requests.get(out.request_id)
-            if request is None:
+        for request in advanced:
+            if request.request_id not in self.requests:  # aborted meanwhile
                 continue
-            seqs = [(co.index, co.token_ids, co.logprobs, co.cumulative_logprob, co.finish_reason, co.stop_reason,
-                     co.finish_reason is not None and request.seqs[co.index].drop_last_text) for co in out.outputs]
-            items.append((out.request_id, out.metrics.first_scheduled_time, out.prompt_logprobs, seqs))
-            if out.finished:
-                del self.requests[out.request_id]
+            first = request.seqs[0].num_sent_tokens == 0  # nothing of it sent yet: the prompt logprobs go with its first tokens
+            seqs = []
+            for seq in request.seqs:
+                new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
+                if not new and seq.finish_reason is None:
+                    continue
+                logprobs = seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None
+                seq.num_sent_tokens += len(new)
+                seqs.append((seq.index, new, logprobs, seq.cumulative_logprob if seq.logprobs is not None else None,
+                             seq.finish_reason, seq.stop_reason, seq.finish_reason is not None and seq.drop_last_text))
+            prompt_logprobs = request.prompt_logprobs if first and seqs else None
+            items.append((request.request_id, request.metrics.first_scheduled_time, prompt_logprobs, seqs))
+            if request.finished:
+                del self.requests[request.request_id]
         engine = self.engine
         changes = None
         if engine.pool.enable_prefix_caching:

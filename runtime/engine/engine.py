@@ -113,7 +113,8 @@ def async_scheduling(asked: bool | None, able: bool, pipelined: bool) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True):
         self.config = config
-        # False: token ids only, no text and no stop strings; the client detokenizes (core_process.py)
+        # False: token ids only, no text and no stop strings, and step() returns the Requests it
+        # advanced instead of building their outputs; the client detokenizes (core_process.py)
         self.detokenize = detokenize
         self.load_times: dict[str, float] = {}
         t = time.perf_counter()
@@ -406,7 +407,9 @@ class LLMEngine:
                 m.finished_time = now
                 if self.requests.pop(request.request_id, None) is not None:
                     self._ended(request)
-            if (out := request.output()) is not None:
+            if not self.detokenize:  # its client reads the sequences' new tokens (core_process.py)
+                outputs.append(request)
+            elif (out := request.output()) is not None:
                 outputs.append(out)
         return outputs
 

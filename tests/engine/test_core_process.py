@@ -80,7 +80,16 @@ def test_greedy_and_seeded_outputs_equal_the_engine_in_process(llm, core, kind):
         requests[f"g{i}"] = (prompt, SamplingParams(max_tokens=24, temperature=0.0, output_kind=kind, logprobs=2 if i == 0 else None))
         requests[f"s{i}"] = (prompt, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=100 + i, output_kind=kind))
     requests["n2"] = (PROMPTS[1], SamplingParams(n=2, max_tokens=16, temperature=1.0, seed=7, output_kind=kind))
+    requests["p"] = (PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, output_kind=kind))
     ref, got = both(llm, core, requests, f"same-{kind}")
+    # the prompt's logprobs: once (delta: with the first tokens), the same tokens and ranks, values to float noise
+    [want], [have] = ([o.prompt_logprobs for o in outs if o.prompt_logprobs is not None][:1] for outs in (ref[f"same-{kind}-p"], got[f"same-{kind}-p"]))
+    assert len(have) == len(want) > 3 and have[0] is None and want[0] is None
+    for h, w in zip(have[1:], want[1:]):
+        assert {t: lp.rank for t, lp in h.items()} == {t: lp.rank for t, lp in w.items()}
+        assert [h[t].logprob for t in w] == pytest.approx([w[t].logprob for t in w], abs=1e-3)
+    if kind == "delta":
+        assert sum(o.prompt_logprobs is not None for o in got[f"same-{kind}-p"]) == 1
     for rid in ref:
         same(final(got[rid], kind), final(ref[rid], kind), rid)
         assert len(got[rid]) == len(ref[rid]), rid  # as many outputs: one a step while it runs (final_only: one)
