@@ -26,7 +26,9 @@ what a thread costs is waiting for the GIL during a step's Python glue (bounded 
 by the 5 ms switch interval), i.e. ~20 ms more worst-case loop lag — far below probe
 timeouts and a decode step. A process would add pickling of every step's outputs, a second
 tokenizer and cross-process failure handling. The boundary is this class's API, so a
-process backend can replace the thread without touching the server.
+process backend can replace the thread without touching the server: with
+`--engine-core-process` the factory is core_client.CoreClient, which this thread steps as it
+would the engine, while the engine core runs in a process of its own (core_process.py).
 
 Backpressure: at most `max_waiting` requests wait (engine queue plus submitted-not-yet-
 applied) beyond the running batch's free slots; `admit()` refuses beyond that and the

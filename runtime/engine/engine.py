@@ -23,7 +23,7 @@ import torch
 from shoal.runtime.cache.kv_cache_manager import KVCacheManager
 from shoal.runtime.config import EngineConfig
 from shoal.runtime.cpu_memory import release_freed_heap
-from shoal.runtime.engine import bad_words, detokenizer
+from shoal.runtime.engine import bad_words, detokenizer, request_checks
 from shoal.runtime.engine.lora_manager import LoraError, LoraManager
 from shoal.runtime.engine.prompt_scoring import PromptScoring, prompt_scoring
 from shoal.runtime.engine.request import Request, RequestOutput, Sequence, Status
@@ -112,8 +112,11 @@ def async_scheduling(asked: bool | None, able: bool, pipelined: bool) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
         self.config = config
+        # False: token ids only, no text and no stop strings, and step() returns the Requests it
+        # advanced instead of building their outputs; the client detokenizes (core_process.py)
+        self.detokenize = detokenize
         self.load_times: dict[str, float] = {}
         t = time.perf_counter()
         self.model_dir = resolve_model(config.model)
@@ -166,17 +169,7 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return prompt, self.tokenizer(prompt).input_ids
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        return None, ids
+        return request_checks.tokenize(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None,
                     lora: str | None = None) -> None:
@@ -188,18 +181,8 @@ class LLMEngine:
             if self.lora is None:
                 raise LoraError("LoRA adapters are not enabled on this server (--enable-lora)")
             adapter = self.lora.get(lora)
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        params.validate()
-        text, ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} (max_model_len), "
-                "which leaves no room to generate"
-            )
-        params.check_vocab(self.vocab_size)
-        if params.prompt_logprobs is not None and not self.executor.scores_prompts:
-            raise ValueError("prompt_logprobs is not supported with tensor or pipeline parallelism")
+        text, ids = request_checks.check_request(self.tokenizer, self.vocab_size, self.max_model_len, self.executor.scores_prompts,
+                                                 prompt, params)
         request = Request(request_id, text, ids, params, arrival_time or time.time())
         if adapter is not None:
             request.lora, request.cache_salt = adapter, adapter.cache_salt
@@ -227,6 +210,16 @@ class LLMEngine:
         if not self.requests:
             self._drain()
 
+    def stop_sequence(self, request_id: str, index: int, stop_reason) -> None:
+        """Finish one sequence of a request as its client found a stop string in its text (the
+        client detokenizes); the request ends when its last sequence does."""
+        request = self.requests.get(request_id)
+        if request is None or index >= len(request.seqs) or request.seqs[index].finished:
+            return
+        self._finish(request.seqs[index], "stop", stop_reason)
+        if request.finished:
+            self.abort_request(request_id)  # nothing running is left: this only forgets it
+
     def _ended(self, request: Request) -> None:
         if request.lora is not None:
             self.lora.ended(request.lora)
@@ -239,6 +232,18 @@ class LLMEngine:
         if self.lora is None:
             raise LoraError("LoRA adapters are not enabled on this server (--enable-lora)")
         self.lora.add(name, path, base_model_name)
+
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """add_lora; with `replace`, an adapter already under `name` gives way, once the new one
+        has been read (a bad new one leaves the old in place)."""
+        if replace and self.lora is not None and name in self.lora.adapters:
+            self.lora.read(path)
+            self.remove_lora(name)
+        self.add_lora(name, path)
+
+    def lora_names(self) -> dict[str, str]:
+        """The adapters loaded now: name -> path."""
+        return {a.name: a.path for a in self.lora.adapters.values()} if self.lora is not None else {}
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter: new requests cannot name it; those already in finish with it."""
@@ -405,7 +410,9 @@ class LLMEngine:
                 m.finished_time = now
                 if self.requests.pop(request.request_id, None) is not None:
                     self._ended(request)
-            if (out := request.output()) is not None:
+            if not self.detokenize:  # its client reads the sequences' new tokens (core_process.py)
+                outputs.append(request)
+            elif (out := request.output()) is not None:
                 outputs.append(out)
         return outputs
 
@@ -461,7 +468,7 @@ class LLMEngine:
         # text each step only when someone reads it: stop strings, or outputs before the end
         stop = params.stop
         delta = ""
-        if (stop or params.output_kind != "final_only") and not seq.drop_last_text:
+        if self.detokenize and (stop or params.output_kind != "final_only") and not seq.drop_last_text:
             delta = detokenizer.append_text(self.tokenizer, seq)
         if seq.matcher is not None:  # the grammar decides when the text ends (min_tokens, ignore_eos too)
             if not seq.matcher.accept_token(token):
@@ -475,7 +482,7 @@ class LLMEngine:
             return self._finish(seq, "stop", None)
         if stop_token:
             return self._finish(seq, "stop", token)
-        if may_stop and stop and (matched := detokenizer.find_stop(seq, delta)) is not None:
+        if may_stop and stop and self.detokenize and (matched := detokenizer.find_stop(seq, delta)) is not None:
             return self._finish(seq, "stop", matched)
         if (params.max_tokens is not None and num_output >= params.max_tokens) or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
@@ -483,7 +490,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.remove(seq)
-        if not seq.params.stop and seq.params.output_kind == "final_only":  # all of its text, once
+        if self.detokenize and not seq.params.stop and seq.params.output_kind == "final_only":  # all of its text, once
             detokenizer.append_text(self.tokenizer, seq, final=True, end=len(seq.token_ids) - seq.drop_last_text)
 
     def warm_up_lengths(self, full: bool) -> list[int]:

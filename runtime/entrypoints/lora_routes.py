@@ -1,6 +1,7 @@
 """vLLM's run-time LoRA endpoints: POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
-The work runs on the engine thread between steps (AsyncEngine.call). A bad path, a rank over
+The work runs on the engine thread between steps (AsyncEngine.call), through methods that the
+engine and the engine-core process's client both have (load_lora, remove_lora). A bad path, a rank over
 --max-lora-rank, a target the model lacks or a name already loaded is a 4xx naming the
 reason. Unloading lets the adapter's requests already in the engine finish with it.
 """
@@ -42,13 +43,7 @@ def add_lora_routes(app, state) -> None:
         if req.lora_name in (state.model_name, state.config.model):
             raise APIError(400, f"'{req.lora_name}' is the base model's name", param="lora_name")
 
-        def load(engine):
-            if req.load_inplace and engine.lora is not None and req.lora_name in engine.lora.adapters:
-                engine.lora.read(req.lora_path)  # check the new one before letting the old go
-                engine.remove_lora(req.lora_name)
-            engine.add_lora(req.lora_name, req.lora_path)
-
-        await on_engine(load)
+        await on_engine(lambda engine: engine.load_lora(req.lora_name, req.lora_path, replace=req.load_inplace))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)

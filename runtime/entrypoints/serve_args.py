@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--stall-timeout", type=float, default=60.0, help="/health fails when work is pending and no step finished for this long (seconds)")
     g.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="largest request body accepted (413 beyond)")
+    g.add_argument("--engine-core-process", action="store_true",
+                   help="run the engine core (schedule, execute, sample) in a process of its own; this one detokenizes, "
+                        "checks stop strings and streams while the core runs the next step (docs/engine.md)")
     g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between the periodic stats lines")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     parser.set_defaults(func=run)

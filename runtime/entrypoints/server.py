@@ -244,6 +244,7 @@ def serve(args) -> int:
         freeze_gc=True,
         stream_interval=getattr(args, "stream_interval", 1),
         tokenizer_info=getattr(args, "enable_tokenizer_info_endpoint", True),
+        engine_core_process=getattr(args, "engine_core_process", False),
     )
     _, asgi = build_asgi(state, getattr(args, "allowed_origins", None))
     logger.info("serving %s as %r on http://%s:%d (API key %s)", config.model, state.model_name, args.host, args.port, "required" if state.api_key else "off")

@@ -20,7 +20,8 @@ class ServerState:
     def __init__(self, config, *, api_key: str | None = None, max_waiting: int = 512, stall_timeout: float = 60.0, drain_timeout: float = 30.0, max_body_bytes: int = 8 * 2**20, engine_factory=None,
                  chat_template: str | None = None, max_logprobs: int = 20, log_stats_interval: float = 10.0,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False, freeze_gc: bool = False,
-                 reasoning_parser: str | None = None, stream_interval: int = 1, tokenizer_info: bool = True):
+                 reasoning_parser: str | None = None, stream_interval: int = 1, tokenizer_info: bool = True,
+                 engine_core_process: bool = False):
         self.config = config
         self.stream_interval = stream_interval  # tokens per streamed event (--stream-interval, vLLM's)
         self.tokenizer_info = tokenizer_info  # GET /tokenizer_info served (--enable-tokenizer-info-endpoint)
@@ -36,6 +37,10 @@ class ServerState:
         self.drain_timeout = drain_timeout
         self.max_body_bytes = max_body_bytes
         self.metrics = ServerMetrics(self.model_name)
+        if engine_core_process and engine_factory is None:  # the engine core in its own process (docs/engine.md)
+            from shoal.runtime.engine.core_client import CoreClient
+
+            engine_factory = CoreClient
         self.engine = AsyncEngine(config, max_waiting=max_waiting, stall_timeout=stall_timeout, metrics=self.metrics, engine_factory=engine_factory)
         self.created = int(time.time())
         self.draining = False
