@@ -22,7 +22,7 @@ PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "Lis
 def core():
     from shoal.runtime.engine.core_client import CoreClient
 
-    client = CoreClient(EngineConfig(kv_cache_memory=2**28, max_num_batched_tokens=512))
+    client = CoreClient(EngineConfig(dtype="float32", kv_cache_memory=2**28, max_num_batched_tokens=512))  # as the llm fixture
     yield client
     client.shutdown()
     assert client.process.exitcode == 0
