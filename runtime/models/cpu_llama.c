@@ -67,12 +67,16 @@ typedef struct {
     const uint8_t *lm_head_q;
     const int64_t *types; /* [num_layers * 4 + 1]: qkv, o, gate_up, down of each layer, then the LM head */
     const float **q_norm, **k_norm; /* per layer [head_dim]: Qwen3's RMSNorm of each head before RoPE; NULL: none */
-    /* mixture-of-experts layers (Mixtral, Qwen3-MoE): a layer whose router is not NULL routes each
+    /* mixture-of-experts layers (Mixtral, Qwen2/3-MoE): a layer whose router is not NULL routes each
      * token to top_k of num_experts SwiGLU experts instead of its dense MLP (gate_up, down unused) */
     int64_t num_experts, top_k, moe_intermediate, norm_topk_prob; /* norm_topk_prob: renormalise the top-k weights */
     const float **router;          /* per layer: panels of [num_experts padded to 8, hidden], or NULL */
     const float **expert_gate_up;  /* per layer: each expert's gate_up panels [2 Im, hidden], expert after expert */
     const float **expert_down;     /* per layer: each expert's down panels [hidden, Im], expert after expert */
+    /* Qwen2-MoE's shared expert beside the routed ones, scaled by sigmoid(shared_gate . x); NULL: none */
+    int64_t shared_intermediate;
+    const float **shared_gate_up, **shared_down; /* per layer: panels of [2 Is, hidden], [hidden, Is] */
+    const float **shared_gate;                   /* per layer: [hidden] */
 } Model;
 
 /* A weight matrix: float panels, rows of GGUF blocks of `type` (0: none), or both. */
@@ -117,6 +121,7 @@ typedef struct {
     int64_t num_active;
     float *act;           /* [B top_k, Im]: each pair's SwiGLU activations */
     float *y;             /* [B top_k, hidden]: each pair's expert output */
+    float *shared_act, *shared_y; /* [B, Is], [B, hidden]: the shared expert's (Qwen2-MoE) */
 } Moe;
 
 struct Decoder {
@@ -907,6 +912,9 @@ static void moe_block(Worker *w, int64_t l) {
     barrier();
     if (w->tid == 0) group_pairs(dec);
     barrier();
+    int shared = m->shared_gate_up && m->shared_gate_up[l];
+    if (shared) /* every token through the shared expert: its phases beside the routed experts' */
+        gate_up_silu(w, (Mat){m->shared_gate_up[l], NULL, TYPE_F32_PANELS}, dec->normed, B, H, m->shared_intermediate, g->shared_act);
     float (*out)[16] = w->tile_out;
     int64_t per = Im / 8, gathered = -1; /* gate_up: 8 gate rows and their 8 up rows an item */
     share_items(w, per, &i0, &i1);
@@ -921,6 +929,8 @@ static void moe_block(Worker *w, int64_t l) {
             _mm256_storeu_ps(g->act + (first + r) * Im + q * 8, _mm256_mul_ps(silu8(_mm256_loadu_ps(out[r])), _mm256_loadu_ps(out[r] + 8)));
     }
     barrier();
+    if (shared)
+        matvec(w, (Mat){m->shared_down[l], NULL, TYPE_F32_PANELS}, NULL, g->shared_act, B, m->shared_intermediate, H, H, g->shared_y, H);
     per = (H / 8 + 1) / 2; /* down: 16 output rows an item (the last may have 8) */
     share_items(w, per, &i0, &i1);
     for (int64_t it = i0; it < i1; it++) {
@@ -935,6 +945,10 @@ static void moe_block(Worker *w, int64_t l) {
     for (int64_t b = b0; b < b1; b++) {
         float *o = dec->out + b * H;
         memset(o, 0, H * sizeof(float));
+        if (shared) { /* sigmoid(gate . x) times the shared expert's output */
+            float gate = 1.0f / (1.0f + expf(-dot(dec->normed + b * H, m->shared_gate[l], H)));
+            for (int64_t i = 0; i < H; i++) o[i] = gate * g->shared_y[b * H + i];
+        }
         for (int64_t j = 0; j < k; j++) {
             __m256 wt = _mm256_set1_ps(g->weight[b * k + j]);
             const float *y = g->y + g->pair_of[b * k + j] * H;
@@ -1016,6 +1030,7 @@ Decoder *shoal_decoder_new(const Model *m, int64_t num_threads) {
         g->act = alloc_floats(pairs * m->moe_intermediate);
         g->y = alloc_floats(pairs * H);
         for (int t = 0; t < num_threads; t++) d->workers[t].rows = alloc_floats(MAX_BATCH * H);
+        if (m->shared_gate_up) g->shared_act = alloc_floats(MAX_BATCH * m->shared_intermediate), g->shared_y = alloc_floats(MAX_BATCH * H);
     }
     return d;
 }
@@ -1333,7 +1348,7 @@ void shoal_decoder_free(Decoder *d) {
     for (int t = 0; t < MAX_THREADS; t++) free(d->workers[t].scores), free(d->workers[t].dequant), free(d->workers[t].rows);
     Moe *g = &d->moe;
     free(g->logits); free(g->weight); free(g->expert); free(g->pair_token); free(g->pair_of);
-    free(g->count); free(g->start); free(g->active); free(g->act); free(g->y);
+    free(g->count); free(g->start); free(g->active); free(g->act); free(g->y); free(g->shared_act); free(g->shared_y);
     free(d->xq);
     free(d->resid); free(d->normed); free(d->out); free(d->qkv); free(d->attn); free(d->act);
     free(d);

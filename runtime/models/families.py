@@ -60,7 +60,6 @@ class DecoderSpec:
     o_bias: bool = False  # o_proj has a bias (attention_bias in the families of O_BIAS)
     mla: bool = False  # DeepSeek's multi-head latent attention (models/deepseek.py), a latent KV cache
     moe_router: str = ""  # "softmax": softmax over every expert, then top-k (Mixtral, Qwen2/3-MoE); "": another or none
-    shared_expert: bool = False  # Qwen2-MoE's gated shared expert beside the routed ones
 
     @property
     def plain(self) -> bool:
@@ -74,8 +73,9 @@ class DecoderSpec:
     @property
     def c_step(self) -> bool:
         """The C decode step (models/cpu_llama.c) runs it: Llama's shape, or Qwen3's per-head q/k norms on
-        it, with MLPs or experts routed by softmax and top-k (Mixtral, Qwen3-MoE) in any layers."""
-        moe_ok = not any(self.moe_layers) or (self.moe_router == "softmax" and not self.shared_expert)
+        it, with MLPs or experts routed by softmax and top-k (Mixtral, Qwen2/3-MoE, Qwen2-MoE's gated
+        shared expert too) in any layers."""
+        moe_ok = not any(self.moe_layers) or self.moe_router == "softmax"
         return self.qk_norm in ("", "head") and moe_ok and replace(self, qk_norm="", moe_layers=[]).plain
 
 
@@ -112,7 +112,6 @@ def spec_of(cfg) -> DecoderSpec:
         rope_keys=[lt if lt in _per_type_rope(cfg) else "" for lt in layer_types],
         moe_layers=_moe_layers(cfg),
         moe_router="softmax" if t in ("mixtral", "qwen2_moe", "qwen3_moe") else "",
-        shared_expert=t == "qwen2_moe" and bool(getattr(cfg, "shared_expert_intermediate_size", 0)),
     )
     if t in ("qwen3", "qwen3_moe"):
         spec.qk_norm = "head"

@@ -1,6 +1,6 @@
 """Mixture-of-experts layers in the C decode step (runtime/models/cpu_llama.c, moe_block): tiny
-random Qwen3-MoE (with a dense layer among the sparse ones; top-k renormalised or not) and
-Mixtral models, against the torch model step by step and, in the engine, against transformers'
+random Qwen3-MoE (with a dense layer among the sparse ones; top-k renormalised or not),
+Qwen2-MoE (a sigmoid-gated shared expert, QKV biases) and Mixtral models, against the torch model step by step and, in the engine, against transformers'
 greedy tokens and first-step log-probabilities, at batches of 1-4 sequences and of 24 (where
 nearly every expert gets rows, some several). Families the C step does not route stay on the
 torch model."""
@@ -21,13 +21,16 @@ pytestmark = pytest.mark.skipif(cpu_supported() is not None, reason=f"C decode s
 
 MAX_NEW = 12
 
-# 16 experts of which each token takes 4 (Mixtral: 8, 2); Qwen3-MoE's layer 1 is a dense MLP
+# 16 experts of which each token takes 4 (Mixtral: 8, 2); Qwen2/3-MoE's layer 1 is a dense MLP
 MODELS = {
     "qwen3_moe": ("qwen3_moe", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True,
                                     decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3, head_dim=32,
                                     intermediate_size=96)),
     "qwen3_moe_unnormalized": ("qwen3_moe", dict(num_experts=16, num_experts_per_tok=3, moe_intermediate_size=24,
                                                  norm_topk_prob=False, num_hidden_layers=2, head_dim=16)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                                    num_hidden_layers=3, intermediate_size=64)),
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=40, sliding_window=None,
                                 num_hidden_layers=2)),
 }
@@ -96,7 +99,14 @@ def test_engine_decodes_moe_in_c_and_matches_transformers(made, num_prompts):
 
 def test_routing_the_c_step_does_not_do_stays_in_torch(tmp_path, builtin_dir):
     """gpt-oss (top-k of biased logits, then softmax; sinks) runs on the torch model, and still
-    gives transformers' tokens; Qwen2-MoE's shared expert is named as not run."""
+    gives transformers' tokens; DeepSeek (grouped routing, latent attention) is not taken either."""
+    from transformers import AutoConfig
+
+    from family_models import BASE, DEEPSEEK
+    from shoal.runtime.models.families import spec_of
+
+    for t in DEEPSEEK:
+        assert not spec_of(AutoConfig.for_model(t, **{**BASE, **DEEPSEEK[t]})).c_step
     path, hf = make_gpt_oss_model(tmp_path / "gpt_oss", builtin_dir)
     assert "shape" in unsupported_reason(load(path))
     prompts = prompts_of(3)
@@ -104,7 +114,3 @@ def test_routing_the_c_step_does_not_do_stays_in_torch(tmp_path, builtin_dir):
     llm = LLM(str(path), kv_cache_memory=2**24)
     assert llm.engine.executor.cpu_decoder is None
     check_against_reference(llm, ("gpt_oss", path, prompts, tokens, first), MAX_NEW)
-
-    path, _ = make_family_model(tmp_path / "qwen2_moe", builtin_dir, "qwen2_moe", num_experts=8, num_experts_per_tok=2,
-                                moe_intermediate_size=32, shared_expert_intermediate_size=48)
-    assert "shape" in unsupported_reason(load(path))
