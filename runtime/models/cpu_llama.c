@@ -900,7 +900,7 @@ static void share_items(const Worker *w, int64_t per, int64_t *begin, int64_t *e
 /* dec->out = the MoE block of layer l on dec->normed: route, group the pairs by expert, each
  * expert's gate_up + SwiGLU then down on just its rows (the dense MLP's tiles), then each
  * token's weighted sum of its experts' outputs. */
-static void moe_block(Worker *w, int64_t l) {
+__attribute__((noinline)) static void moe_block(Worker *w, int64_t l) { /* noinline: a profile names its share */
     Decoder *dec = w->dec;
     const Model *m = &dec->m;
     Moe *g = &dec->moe;
