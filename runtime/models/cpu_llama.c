@@ -67,6 +67,16 @@ typedef struct {
     const uint8_t *lm_head_q;
     const int64_t *types; /* [num_layers * 4 + 1]: qkv, o, gate_up, down of each layer, then the LM head */
     const float **q_norm, **k_norm; /* per layer [head_dim]: Qwen3's RMSNorm of each head before RoPE; NULL: none */
+    /* mixture-of-experts layers (Mixtral, Qwen2/3-MoE): a layer whose router is not NULL routes each
+     * token to top_k of num_experts SwiGLU experts instead of its dense MLP (gate_up, down unused) */
+    int64_t num_experts, top_k, moe_intermediate, norm_topk_prob; /* norm_topk_prob: renormalise the top-k weights */
+    const float **router;          /* per layer: panels of [num_experts padded to 8, hidden], or NULL */
+    const float **expert_gate_up;  /* per layer: each expert's gate_up panels [2 Im, hidden], expert after expert */
+    const float **expert_down;     /* per layer: each expert's down panels [hidden, Im], expert after expert */
+    /* Qwen2-MoE's shared expert beside the routed ones, scaled by sigmoid(shared_gate . x); NULL: none */
+    int64_t shared_intermediate;
+    const float **shared_gate_up, **shared_down; /* per layer: panels of [2 Is, hidden], [hidden, Is] */
+    const float **shared_gate;                   /* per layer: [hidden] */
 } Model;
 
 /* A weight matrix: float panels, rows of GGUF blocks of `type` (0: none), or both. */
@@ -97,7 +107,22 @@ typedef struct {
     float tile_out[MAX_BATCH][16]; /* one panel pair's results */
     float *dequant; /* [K, 16]: one panel pair dequantized (larger batches) */
     int64_t dequant_cap;
+    float *rows; /* [MAX_BATCH, hidden]: one expert's input rows, gathered (MoE) */
 } Worker;
+
+/* One MoE layer's routing of the step's tokens: the (token, expert) pairs sorted by expert. */
+typedef struct {
+    float *logits;        /* [B, num_experts padded to 8] */
+    float *weight;        /* [B, top_k]: each token's routing weights */
+    int64_t *expert;      /* [B, top_k]: ... and experts */
+    int64_t *pair_token;  /* [B top_k]: the pairs' tokens, expert by expert */
+    int64_t *pair_of;     /* [B, top_k]: where each token's j-th pair lies in that order */
+    int64_t *count, *start, *active; /* per expert: pairs, first pair; active: the experts with pairs */
+    int64_t num_active;
+    float *act;           /* [B top_k, Im]: each pair's SwiGLU activations */
+    float *y;             /* [B top_k, hidden]: each pair's expert output */
+    float *shared_act, *shared_y; /* [B, Is], [B, hidden]: the shared expert's (Qwen2-MoE) */
+} Moe;
 
 struct Decoder {
     Model m;
@@ -108,6 +133,7 @@ struct Decoder {
     int scalar_kquants; /* K-quant dot products by the portable loop (the reference the AVX2 one is tested against) */
     Worker workers[MAX_THREADS];
     const Step *step;
+    Moe moe;
 };
 
 /* ---- small vector helpers ---------------------------------------------------------- */
@@ -796,6 +822,141 @@ static Mat weight(const Model *m, int64_t l, int i) {
     return (Mat){panels[i][l], type ? blocks[i][l] : NULL, type};
 }
 
+/* ---- mixture-of-experts layers ------------------------------------------------------ */
+
+/* Each of this thread's tokens: softmax over the router's logits, the top_k largest (ties: the
+ * lower expert), renormalised to sum 1 where norm_topk_prob; as transformers' routers do it
+ * (Mixtral, Qwen3-MoE: softmax, topk, divide by the top-k's sum, all float32). */
+static void route(Worker *w) {
+    Moe *g = &w->dec->moe;
+    const Model *m = &w->dec->m;
+    int64_t E = m->num_experts, k = m->top_k, ld = (E + 7) / 8 * 8, b0, b1;
+    share(w, w->dec->step->batch, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) {
+        float *p = g->logits + b * ld, mx = max_of(p, E), sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+        float *wt = g->weight + b * k, total = 0.0f;
+        int64_t *ids = g->expert + b * k;
+        for (int64_t j = 0; j < k; j++) { /* k passes: k is small (2-8) */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            ids[j] = best, wt[j] = p[best] / sum;
+            p[best] = -1.0f; /* taken */
+        }
+        for (int64_t j = 0; j < k; j++) total += wt[j]; /* in descending order, as torch's sum of topk's values */
+        if (m->norm_topk_prob)
+            for (int64_t j = 0; j < k; j++) wt[j] /= total;
+    }
+}
+
+/* The pairs sorted by expert (one thread: B top_k entries). */
+static void group_pairs(Decoder *dec) {
+    Moe *g = &dec->moe;
+    int64_t E = dec->m.num_experts, k = dec->m.top_k, n = dec->step->batch * k;
+    memset(g->count, 0, E * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) g->count[g->expert[i]]++;
+    g->num_active = 0;
+    for (int64_t e = 0, at = 0; e < E; e++) {
+        g->start[e] = at;
+        at += g->count[e];
+        if (g->count[e]) g->active[g->num_active++] = e;
+    }
+    for (int64_t e = 0; e < E; e++) g->count[e] = 0; /* refilled below, as each expert's next free place */
+    for (int64_t i = 0; i < n; i++) {
+        int64_t e = g->expert[i], at = g->start[e] + g->count[e]++;
+        g->pair_token[at] = i / k;
+        g->pair_of[i] = at;
+    }
+}
+
+#define MOE_ITEM_COST 8 /* an item's fixed cost in rows: streaming its 16 weight rows once */
+
+/* The first of the items (active expert a, one of `per` panel pairs) whose midpoint, in work,
+ * reaches x: an item weighs its expert's rows plus MOE_ITEM_COST. */
+static int64_t first_item(const Moe *g, int64_t per, int64_t x) {
+    int64_t acc = 0;
+    for (int64_t a = 0; a < g->num_active; a++) {
+        int64_t wt = g->count[g->active[a]] + MOE_ITEM_COST, span = per * wt;
+        if (2 * (acc + span) - wt >= 2 * x) {
+            int64_t need = 2 * (x - acc) - wt; /* item j's midpoint: acc + j wt + wt / 2 */
+            return a * per + (need <= 0 ? 0 : (need + 2 * wt - 1) / (2 * wt));
+        }
+        acc += span;
+    }
+    return g->num_active * per;
+}
+
+/* [begin, end) of the items for this thread: all active experts' panel pairs in one phase,
+ * cut by work (so one barrier a phase, not one an expert; few rows an expert at decode). */
+static void share_items(const Worker *w, int64_t per, int64_t *begin, int64_t *end) {
+    const Moe *g = &w->dec->moe;
+    int64_t total = 0;
+    for (int64_t a = 0; a < g->num_active; a++) total += per * (g->count[g->active[a]] + MOE_ITEM_COST);
+    *begin = first_item(g, per, total * w->tid / w->num_threads);
+    *end = w->tid + 1 == w->num_threads ? g->num_active * per : first_item(g, per, total * (w->tid + 1) / w->num_threads);
+}
+
+/* dec->out = the MoE block of layer l on dec->normed: route, group the pairs by expert, each
+ * expert's gate_up + SwiGLU then down on just its rows (the dense MLP's tiles), then each
+ * token's weighted sum of its experts' outputs. */
+__attribute__((noinline)) static void moe_block(Worker *w, int64_t l) { /* noinline: a profile names its share */
+    Decoder *dec = w->dec;
+    const Model *m = &dec->m;
+    Moe *g = &dec->moe;
+    int64_t B = dec->step->batch, H = m->hidden, Im = m->moe_intermediate, k = m->top_k, E = m->num_experts;
+    int64_t ld = (E + 7) / 8 * 8, i0, i1;
+    matvec(w, (Mat){m->router[l], NULL, TYPE_F32_PANELS}, NULL, dec->normed, B, H, ld, E, g->logits, ld);
+    barrier();
+    route(w);
+    barrier();
+    if (w->tid == 0) group_pairs(dec);
+    barrier();
+    int shared = m->shared_gate_up && m->shared_gate_up[l];
+    if (shared) /* every token through the shared expert: its phases beside the routed experts' */
+        gate_up_silu(w, (Mat){m->shared_gate_up[l], NULL, TYPE_F32_PANELS}, dec->normed, B, H, m->shared_intermediate, g->shared_act);
+    float (*out)[16] = w->tile_out;
+    int64_t per = Im / 8, gathered = -1; /* gate_up: 8 gate rows and their 8 up rows an item */
+    share_items(w, per, &i0, &i1);
+    for (int64_t it = i0; it < i1; it++) {
+        int64_t a = it / per, q = it % per, e = g->active[a], n = g->count[e], first = g->start[e];
+        if (gathered != e) { /* this expert's rows, contiguous for the tiles */
+            for (int64_t r = 0; r < n; r++) memcpy(w->rows + r * H, dec->normed + g->pair_token[first + r] * H, H * sizeof(float));
+            gathered = e;
+        }
+        panel_pair(m->expert_gate_up[l] + e * 2 * Im * H, q, 2 * per, w->rows, n, H, out);
+        for (int64_t r = 0; r < n; r++)
+            _mm256_storeu_ps(g->act + (first + r) * Im + q * 8, _mm256_mul_ps(silu8(_mm256_loadu_ps(out[r])), _mm256_loadu_ps(out[r] + 8)));
+    }
+    barrier();
+    if (shared)
+        matvec(w, (Mat){m->shared_down[l], NULL, TYPE_F32_PANELS}, NULL, g->shared_act, B, m->shared_intermediate, H, H, g->shared_y, H);
+    per = (H / 8 + 1) / 2; /* down: 16 output rows an item (the last may have 8) */
+    share_items(w, per, &i0, &i1);
+    for (int64_t it = i0; it < i1; it++) {
+        int64_t a = it / per, q = it % per, e = g->active[a], n = g->count[e], first = g->start[e];
+        int64_t rows = H - 16 * q < 16 ? H - 16 * q : 16;
+        panel_pair(m->expert_down[l] + e * H * Im, q, H / 8, g->act + first * Im, n, Im, out);
+        for (int64_t r = 0; r < n; r++) memcpy(g->y + (first + r) * H + 16 * q, out[r], rows * sizeof(float));
+    }
+    barrier();
+    int64_t b0, b1;
+    share(w, B, &b0, &b1);
+    for (int64_t b = b0; b < b1; b++) {
+        float *o = dec->out + b * H;
+        memset(o, 0, H * sizeof(float));
+        if (shared) { /* sigmoid(gate . x) times the shared expert's output */
+            float gate = 1.0f / (1.0f + expf(-dot(dec->normed + b * H, m->shared_gate[l], H)));
+            for (int64_t i = 0; i < H; i++) o[i] = gate * g->shared_y[b * H + i];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            __m256 wt = _mm256_set1_ps(g->weight[b * k + j]);
+            const float *y = g->y + g->pair_of[b * k + j] * H;
+            for (int64_t i = 0; i < H; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wt, _mm256_loadu_ps(y + i), _mm256_loadu_ps(o + i)));
+        }
+    }
+}
+
 static void forward(Worker *w) {
     Decoder *dec = w->dec;
     const Model *m = &dec->m;
@@ -817,9 +978,13 @@ static void forward(Worker *w) {
         barrier();
         add_rms_norm(w, dec->resid, dec->out, m->post_norm[l], dec->normed);
         barrier();
-        gate_up_silu(w, weight(m, l, 2), dec->normed, B, H, I, dec->act);
-        barrier();
-        matvec(w, weight(m, l, 3), NULL, dec->act, B, I, H, H, dec->out, H);
+        if (m->router && m->router[l]) {
+            moe_block(w, l);
+        } else {
+            gate_up_silu(w, weight(m, l, 2), dec->normed, B, H, I, dec->act);
+            barrier();
+            matvec(w, weight(m, l, 3), NULL, dec->act, B, I, H, H, dec->out, H);
+        }
         barrier();
     }
     add_rms_norm(w, dec->resid, dec->out, m->final_norm, dec->normed);
@@ -854,6 +1019,19 @@ Decoder *shoal_decoder_new(const Model *m, int64_t num_threads) {
     d->xq = calloc(QUANT_DOT_MAX_BATCH * (max_k / QK + 1), sizeof(BlockQ8X));
     d->num_threads = (int)num_threads;
     for (int t = 0; t < MAX_THREADS; t++) d->workers[t].dec = d;
+    if (m->router) {
+        int64_t E = m->num_experts, pairs = MAX_BATCH * m->top_k;
+        Moe *g = &d->moe;
+        g->logits = alloc_floats(MAX_BATCH * ((E + 7) / 8 * 8));
+        g->weight = alloc_floats(pairs);
+        g->expert = calloc(pairs, sizeof(int64_t)), g->pair_token = calloc(pairs, sizeof(int64_t));
+        g->pair_of = calloc(pairs, sizeof(int64_t));
+        g->count = calloc(E, sizeof(int64_t)), g->start = calloc(E, sizeof(int64_t)), g->active = calloc(E, sizeof(int64_t));
+        g->act = alloc_floats(pairs * m->moe_intermediate);
+        g->y = alloc_floats(pairs * H);
+        for (int t = 0; t < num_threads; t++) d->workers[t].rows = alloc_floats(MAX_BATCH * H);
+        if (m->shared_gate_up) g->shared_act = alloc_floats(MAX_BATCH * m->shared_intermediate), g->shared_y = alloc_floats(MAX_BATCH * H);
+    }
     return d;
 }
 
@@ -1167,7 +1345,10 @@ int64_t shoal_prefill_attention(const Prefill *a, int64_t num_threads) {
 }
 
 void shoal_decoder_free(Decoder *d) {
-    for (int t = 0; t < MAX_THREADS; t++) free(d->workers[t].scores), free(d->workers[t].dequant);
+    for (int t = 0; t < MAX_THREADS; t++) free(d->workers[t].scores), free(d->workers[t].dequant), free(d->workers[t].rows);
+    Moe *g = &d->moe;
+    free(g->logits); free(g->weight); free(g->expert); free(g->pair_token); free(g->pair_of);
+    free(g->count); free(g->start); free(g->active); free(g->act); free(g->y); free(g->shared_act); free(g->shared_y);
     free(d->xq);
     free(d->resid); free(d->normed); free(d->out); free(d->qkv); free(d->attn); free(d->act);
     free(d);

@@ -50,7 +50,10 @@ class _Model(ctypes.Structure):
         ("embed", F32P), ("final_norm", F32P), ("lm_head", F32P), ("cos_sin", F32P),
     ] + [(n, P(F32P)) for n in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "kv")] + [
         (n, P(U8P)) for n in ("qkv_q", "o_q", "gate_up_q", "down_q")] + [("lm_head_q", U8P), ("types", P(I64))] + [
-        (n, P(F32P)) for n in ("q_norm", "k_norm")]
+        (n, P(F32P)) for n in ("q_norm", "k_norm")] + [
+        (n, I64) for n in ("num_experts", "top_k", "moe_intermediate", "norm_topk_prob")] + [
+        (n, P(F32P)) for n in ("router", "expert_gate_up", "expert_down")] + [("shared_intermediate", I64)] + [
+        (n, P(F32P)) for n in ("shared_gate_up", "shared_down", "shared_gate")]
 
 
 class _Step(ctypes.Structure):
@@ -247,8 +250,35 @@ def unsupported_reason(model) -> str | None:
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases are not supported"
     if not model.spec.c_step:
-        return f"{cfg.model_type}'s decoder differs from Llama's (and Qwen3's) shape"
+        return f"{cfg.model_type}'s decoder differs from Llama's (and Qwen3's) shape, or routes its experts otherwise"
+    moe = [layer.mlp for layer in model.layers if _is_moe(layer)]
+    if moe and (moe[0].topk_softmax or moe[0].grouped is not None
+                or (moe[0].shared_expert is not None and moe[0].shared_expert_gate is None)):
+        return "it routes experts by a softmax over all of them and top-k only, a shared expert only gated"
+    if moe and (moe[0].experts.local % 8 or moe[0].shared_expert is not None
+                and moe[0].shared_expert.down_proj.weight.shape[1] % 8):
+        return "the experts' intermediate sizes must be multiples of 8"
     return cpu_supported()
+
+
+def _is_moe(layer) -> bool:
+    from shoal.runtime.layers.moe import SparseMoeBlock
+
+    return isinstance(layer.mlp, SparseMoeBlock)
+
+
+def pack_experts(moe) -> list[torch.Tensor]:
+    """A MoE block's router as panels, each expert's gate_up and down panels (expert after expert),
+    then its shared expert's gate_up and down panels and gate vector (empty where it has none)."""
+    w13, w2, Im = moe.experts.w13.data.float(), moe.experts.w2.data.float(), moe.experts.local
+    out = [pack_panels(moe.gate.data.float()), torch.stack([pack_gate_up(w, Im) for w in w13]),
+           torch.stack([pack_panels(w) for w in w2])]
+    s = moe.shared_expert
+    if s is None:
+        return out + [torch.empty(0)] * 3
+    down = s.down_proj.weight.data.float()
+    return out + [pack_gate_up(s.gate_up_proj.weight.data.float(), down.shape[1]), pack_panels(down),
+                  moe.shared_expert_gate.data.float().reshape(-1)]
 
 
 class CpuDecoder:
@@ -272,9 +302,12 @@ class CpuDecoder:
         quant = quantized_matrices(quantized, model) if quantized else [None] * (4 * len(layers) + 1)
         self.quantized_types = [q[0] if q else 0 for q in quant]
         packed = []  # in the order a step reads them; an empty panel where the blocks are read instead
+        none = lambda: torch.empty(0)  # noqa: E731  (a MoE layer's dense MLP)
         for i, (a, l) in enumerate(zip(attn, layers)):
+            moe = _is_moe(l)
             makers = [lambda: pack_panels(plain(a.qkv_proj)), lambda: pack_panels(plain(a.o_proj)),
-                      lambda: pack_gate_up(plain(l.mlp.gate_up_proj), I), lambda: pack_panels(plain(l.mlp.down_proj))]
+                      none if moe else lambda: pack_gate_up(plain(l.mlp.gate_up_proj), I),
+                      none if moe else lambda: pack_panels(plain(l.mlp.down_proj))]
             packed += [torch.empty(0) if quant[4 * i + j] and not float_panels else make() for j, make in enumerate(makers)]
         packed.append(torch.empty(0) if quant[-1] and not float_panels
                       else pack_panels(model.lm_head.weight.data[: cfg.vocab_size].float()))
@@ -304,6 +337,21 @@ class CpuDecoder:
             down_q=self._bytes_table([u8(t) for t in blocks[3:-1:4]]),
             lm_head_q=u8(blocks[-1]), types=_i64(types),
         )
+        moe = [l.mlp for l in layers if _is_moe(l)]
+        if moe:  # each MoE layer's router and experts in their own arena; dense layers' entries NULL
+            self.moe_arena = Arena([t for block in moe for t in pack_experts(block)])
+            views, at = iter(self.moe_arena.views), {}
+            for i, l in enumerate(layers):
+                if _is_moe(l):
+                    at[i] = [next(views) for _ in range(6)]
+            self._model.num_experts, self._model.top_k = moe[0].experts.num_experts, moe[0].top_k
+            self._model.moe_intermediate, self._model.norm_topk_prob = moe[0].experts.local, int(moe[0].renormalize)
+            names = ["router", "expert_gate_up", "expert_down"]
+            if moe[0].shared_expert is not None:  # Qwen2-MoE
+                self._model.shared_intermediate = moe[0].shared_expert.down_proj.weight.shape[1]
+                names += ["shared_gate_up", "shared_down", "shared_gate"]
+            for j, name in enumerate(names):
+                setattr(self._model, name, table([at[i][j] if i in at else None for i in range(len(layers))]))
         if attn[0].qk_norm == "head":  # Qwen3: each head's RMSNorm before RoPE (with the model's eps)
             self._model.q_norm = table([hold(a.q_norm.weight.data.float().contiguous()) for a in attn])
             self._model.k_norm = table([hold(a.k_norm.weight.data.float().contiguous()) for a in attn])

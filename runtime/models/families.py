@@ -59,6 +59,7 @@ class DecoderSpec:
     attn_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax's denominator
     o_bias: bool = False  # o_proj has a bias (attention_bias in the families of O_BIAS)
     mla: bool = False  # DeepSeek's multi-head latent attention (models/deepseek.py), a latent KV cache
+    moe_router: str = ""  # "softmax": softmax over every expert, then top-k (Mixtral, Qwen2/3-MoE); "": another or none
 
     @property
     def plain(self) -> bool:
@@ -71,8 +72,11 @@ class DecoderSpec:
 
     @property
     def c_step(self) -> bool:
-        """The C decode step (models/cpu_llama.c) runs it: Llama's shape, or Qwen3's per-head q/k norms on it."""
-        return self.qk_norm in ("", "head") and replace(self, qk_norm="").plain
+        """The C decode step (models/cpu_llama.c) runs it: Llama's shape, or Qwen3's per-head q/k norms on
+        it, with MLPs or experts routed by softmax and top-k (Mixtral, Qwen2/3-MoE, Qwen2-MoE's gated
+        shared expert too) in any layers."""
+        moe_ok = not any(self.moe_layers) or self.moe_router == "softmax"
+        return self.qk_norm in ("", "head") and moe_ok and replace(self, qk_norm="", moe_layers=[]).plain
 
 
 def model_type_of(raw: dict) -> str | None:
@@ -107,6 +111,7 @@ def spec_of(cfg) -> DecoderSpec:
         windows=[window if lt == "sliding_attention" else 0 for lt in layer_types],
         rope_keys=[lt if lt in _per_type_rope(cfg) else "" for lt in layer_types],
         moe_layers=_moe_layers(cfg),
+        moe_router="softmax" if t in ("mixtral", "qwen2_moe", "qwen3_moe") else "",
     )
     if t in ("qwen3", "qwen3_moe"):
         spec.qk_norm = "head"
