@@ -68,16 +68,23 @@ def test_decode_steps_match_the_torch_model(tiny, batch, threads, block):
     model = tiny
     decoder = CpuDecoder.create(model, num_threads=threads)
     assert decoder is not None
+    check_steps_against_torch(model, decoder, batch, block, max_context=400, steps=5)  # within the 512 positions
+
+
+def check_steps_against_torch(model, decoder, batch: int, block: int, max_context: int, steps: int) -> None:
+    """`steps` decode steps of `batch` sequences with prompts already in the cache: each step the
+    C decoder and the torch model start from identical caches and must leave identical caches
+    and logits. Closes the decoder."""
     ours, theirs = new_caches(model, block), new_caches(model, block)
     decoder.attach(ours)
-    per_seq = min(NUM_BLOCKS // batch, 400 // block)  # contexts within the 512 positions
+    per_seq = min(NUM_BLOCKS // batch, max_context // block)
     tables = torch.randperm(NUM_BLOCKS)[: batch * per_seq].view(batch, per_seq)  # disjoint, scattered blocks
-    ctx = torch.randint(1, per_seq * block - 5, (batch,))
+    ctx = torch.randint(1, per_seq * block - steps, (batch,))
     for c in ours:
         c.normal_()  # stands for the prompts' keys and values
     for a, b in zip(ours, theirs):
         b.copy_(a)
-    for _ in range(5):
+    for _ in range(steps):
         pos = ctx - 1
         slots = tables.gather(1, (pos // block)[:, None])[:, 0] * block + pos % block
         ids = torch.randint(0, model.cfg.vocab_size, (batch,))

@@ -15,7 +15,7 @@ import torch
 from family_models import check_against_reference, hf_reference, make_family_model, make_gpt_oss_model
 from shoal import LLM
 from shoal.runtime.models.cpu_llama import CpuDecoder, cpu_supported, unsupported_reason
-from test_cpu_llama import NUM_BLOCKS, load, new_caches, torch_step
+from test_cpu_llama import check_steps_against_torch, load
 
 pytestmark = pytest.mark.skipif(cpu_supported() is not None, reason=f"C decode step: {cpu_supported()}")
 
@@ -58,26 +58,7 @@ def test_decode_steps_match_the_torch_model(made, batch, threads):
     decoder = CpuDecoder.create(model, num_threads=threads)
     assert decoder is not None and decoder._model.router, name
     block = 16
-    ours, theirs = new_caches(model, block), new_caches(model, block)
-    decoder.attach(ours)
-    per_seq = min(NUM_BLOCKS // batch, 200 // block)
-    tables = torch.randperm(NUM_BLOCKS)[: batch * per_seq].view(batch, per_seq)
-    ctx = torch.randint(1, per_seq * block - 3, (batch,))
-    for c in ours:
-        c.normal_()
-    for a, b in zip(ours, theirs):
-        b.copy_(a)
-    for _ in range(3):
-        pos = ctx - 1
-        slots = tables.gather(1, (pos // block)[:, None])[:, 0] * block + pos % block
-        ids = torch.randint(0, model.cfg.vocab_size, (batch,))
-        expected = torch_step(model, theirs, ids, pos, slots, tables, ctx)
-        got = decoder.step(ids, pos, slots, tables, ctx)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-5 * float(expected.abs().max()))
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        ctx = ctx + 1
-    decoder.close()
+    check_steps_against_torch(model, decoder, batch, block, max_context=200, steps=3)
 
 
 @pytest.mark.parametrize("num_prompts", [3, 24])

@@ -13,8 +13,7 @@ import torch
 
 from engine_helpers import make_tiny_model
 from quant_checkpoints import fake_quant_activations, fake_quant_experts, quantize_moe_checkpoint
-from shoal import LLM, SamplingParams
-from test_quantized_parallel import MAX_NEW, PROMPTS, _reference
+from test_quantized_parallel import PROMPTS, check_two_ranks
 
 QWEN3_MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
                  num_hidden_layers=2, head_dim=32, initializer_range=0.2)
@@ -30,13 +29,4 @@ def test_quantized_experts_over_two_ranks(fmt, tmp_path, builtin_dir):
     if "fp8" in fmt:
         fake_quant_activations(model, fmt, tmp_path)
         fake_quant_experts(model, fmt, tmp_path)
-    want, first = _reference(model, PROMPTS)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, kv_cache_memory=2**22, attention_backend="torch")
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0, logprobs=5))
-    finally:
-        llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == want
-    for o, ref in zip(outs, first):
-        for token, lp in o.outputs[0].logprobs[0].items():
-            assert abs(getattr(lp, "logprob", lp) - float(ref[token])) < 1e-4
+    check_two_ranks(model, tmp_path)

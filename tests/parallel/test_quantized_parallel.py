@@ -28,6 +28,21 @@ def _reference(model, prompts):
     return tokens, first
 
 
+def check_two_ranks(model, path) -> None:
+    """The checkpoint at `path` over two tensor-parallel ranks: greedy tokens equal to
+    transformers' on `model` (its dequantized weights), first-step log-probs within 1e-4."""
+    want, first = _reference(model, PROMPTS)
+    llm = LLM(str(path), tensor_parallel_size=2, kv_cache_memory=2**22, attention_backend="torch")
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0, logprobs=5))
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for o, ref in zip(outs, first):
+        for token, lp in o.outputs[0].logprobs[0].items():
+            assert abs(getattr(lp, "logprob", lp) - float(ref[token])) < 1e-4
+
+
 @pytest.mark.parametrize("fmt,group", [("gptq-act-order", 128), ("awq", 32), ("ct-fp8-tensor-static", 128)])
 def test_quantized_checkpoint_over_two_ranks(fmt, group, tmp_path, builtin_dir):
     from transformers import AutoModelForCausalLM
@@ -37,13 +52,4 @@ def test_quantized_checkpoint_over_two_ranks(fmt, group, tmp_path, builtin_dir):
     quantize_checkpoint(model, tmp_path, fmt, PROMPTS, group=group)
     if "fp8" in fmt:
         fake_quant_activations(model, fmt, tmp_path)
-    want, first = _reference(model, PROMPTS)
-    llm = LLM(str(tmp_path), tensor_parallel_size=2, kv_cache_memory=2**22, attention_backend="torch")
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0, logprobs=5))
-    finally:
-        llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == want
-    for o, ref in zip(outs, first):
-        for token, lp in o.outputs[0].logprobs[0].items():
-            assert abs(getattr(lp, "logprob", lp) - float(ref[token])) < 1e-4
+    check_two_ranks(model, tmp_path)
