@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tp.add_argument("--compare-gguf", action="store_true",
                     help="a GGUF model (the built-in one): the C decode step on float32 panels and on the file's quantized "
                          "blocks, alternated in this run; prints both, the ratio and the greedy tokens' match rate")
+    tp.add_argument("--repeat", type=int, default=1,
+                    help="runs of the engine on the workload, one after another (the first is the cold one; default: 1)")
     tp.add_argument("--rounds", type=int, default=2, help="--compare-gguf: runs of each, alternated (default: 2)")
     tp.add_argument("--json", help="write the results as JSON to this file")
     tp.set_defaults(func=_run("throughput"))
@@ -61,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--top-p", type=float)
     st.add_argument("--top-k", type=int)
     st.add_argument("--min-p", type=float)
+    st.add_argument("--output-kind", choices=["cumulative", "delta", "final_only"],
+                    help="what each sequence's outputs hold (default: cumulative). final_only: text once at the end, "
+                         "as LLM.generate and the engine-core process; delta: the server's streams in one process")
     st.add_argument("--lora-adapters", type=int, metavar="N",
                     help="the sequences spread over N random LoRA adapters (rank --max-lora-rank, every projection): "
                          "the profile reports the LoRA hooks' share of a step")

@@ -453,8 +453,8 @@ def step(args) -> int:
 
 
 def sampling_of(args) -> dict:
-    """The bench's --temperature/--top-p/--top-k/--min-p that were given."""
-    names = ("temperature", "top_p", "top_k", "min_p")
+    """The bench's --temperature/--top-p/--top-k/--min-p/--output-kind that were given."""
+    names = ("temperature", "top_p", "top_k", "min_p", "output_kind")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

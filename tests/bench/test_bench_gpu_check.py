@@ -92,8 +92,14 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     thr = parts["throughput"]["result"]
     assert thr["workload"] == "gpu" and thr["engine"]["output_tokens"] == thr["hf"]["output_tokens"] > 0
     assert thr["ratio"] > 0
+    # the same engine ran the workload a second time: the cold run is judged against it
+    again = thr["engine_repeats"][0]
+    assert again["output_tokens"] == thr["engine"]["output_tokens"]
+    assert thr["first_vs_best_repeat"] == thr["engine"]["output_tokens_per_s"] / again["output_tokens_per_s"]
     st = parts["step"]["result"]
     assert st["num_running"] == st["num_seqs"] and st["decode_only"] and st["profile"]["steps"] > 0
+    assert st["sampling"]["output_kind"] == "final_only"
+    assert st["streaming"]["decode_only"] and st["streaming"]["sampling"]["output_kind"] == "delta"
     assert parts["kernels"]["result"]["rc"] == 0 and parts["kernels"]["result"]["rows"]
     q = parts["quant"]["result"]
     assert list(q["runs"]) == ["bf16", "fp8", "fp8-kv", "awq"] and not q["skipped"]
