@@ -15,11 +15,13 @@ read from the core's messages. If the core dies, step() raises and AsyncEngine f
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import logging
 import multiprocessing
 import time
+import weakref
 from dataclasses import dataclass
 
 from shoal.runtime.cache.block_mirror import BlockMirror
@@ -50,6 +52,15 @@ class LoraNames:
         self.adapters = {n: AdapterInfo(n, p) for n, p in names.items()}  # replaced whole: read from the event loop
 
 
+def _end_at_exit(ref) -> None:
+    """A client its owner never shut down ends its core when the interpreter exits: before
+    multiprocessing's own exit hook (registered earlier, so run later) joins the core, which
+    would wait forever, since the core ends when our end of the pipe closes."""
+    client = ref()
+    if client is not None:
+        client.shutdown()
+
+
 class CoreClient:
     def __init__(self, config):
         from shoal.runtime.engine.structured_output import StructuredOutputs
@@ -63,6 +74,7 @@ class CoreClient:
         # "shutdown" or when our end of its pipe closes (our exit, even a killed one)
         self.process = ctx.Process(target=core_process.main, args=(core_in, core_out, config), name="shoal-engine-core")
         self.process.start()
+        atexit.register(_end_at_exit, weakref.ref(self))
         core_in.close()
         core_out.close()
         self.tokenizer = load_tokenizer(resolve_model(config.model))  # while the core loads the model

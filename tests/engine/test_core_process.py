@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -160,3 +162,73 @@ def test_a_killed_core_fails_the_async_engine_and_its_request():
         engine.stop()
 
     asyncio.run(main())
+
+
+def _children(pid: int) -> set[int]:
+    """The processes `pid` started (Linux: every thread's children list)."""
+    found = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found |= {int(c) for c in f.read().split()}
+    return found
+
+
+def _gone(pids: set[int], timeout: float) -> bool:
+    """Whether every pid has exited (a zombie counts: it runs nothing) within `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = set()
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        alive.add(pid)
+            except FileNotFoundError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_a_core_with_two_pipeline_ranks_answers_as_the_engine_in_process_and_takes_them_down(llm):
+    """The core starts its own rank processes (torch.distributed, gloo); the same greedy text and
+    log-probs as one rank in this process; the ranks end with the core, whether it is shut down
+    or killed."""
+    from shoal.runtime.engine.core_client import CoreClient
+
+    config = EngineConfig(dtype="float32", kv_cache_memory=2**28, max_num_batched_tokens=512, pipeline_parallel_size=2)
+    for ending in ("shutdown", "kill"):
+        client = CoreClient(config)
+        try:
+            ranks = _children(client.process.pid)
+            assert ranks  # rank 0 runs in the core; rank 1 (and whatever torch starts) are its children
+            if ending == "shutdown":
+                requests = {f"g{i}": (p, SamplingParams(max_tokens=16, temperature=0.0, logprobs=2))
+                            for i, p in enumerate(PROMPTS)}
+                ref, got = both(llm, client, requests, "pp")
+                for rid in ref:
+                    same(final(got[rid], "cumulative"), final(ref[rid], "cumulative"), rid)
+                assert client.stats().num_running == 0 and client.stats().kv_cache_usage == 0.0
+                client.shutdown()
+                assert client.process.exitcode == 0
+            else:
+                os.kill(client.process.pid, signal.SIGKILL)
+                client.process.join(30)
+            assert _gone(ranks, 60), f"rank processes left after the core's {ending}"
+        finally:
+            client.shutdown()
+
+
+def test_a_program_that_never_shuts_its_client_down_still_exits(tmp_path):
+    """The core ends with the interpreter (before multiprocessing's exit hook would wait on it)."""
+    script = tmp_path / "forgets.py"
+    script.write_text(
+        "from shoal.runtime.config import EngineConfig\n"
+        "from shoal.runtime.engine.core_client import CoreClient\n"
+        "if __name__ == '__main__':  # the spawned core imports this file again\n"
+        "    client = CoreClient(EngineConfig(kv_cache_memory=2**26, max_model_len=256))\n"
+        "    print(client.process.pid, flush=True)\n")
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _gone({int(r.stdout.split()[0])}, 5)
