@@ -231,10 +231,10 @@ class AsyncEngine:
             raise NotImplementedError("structured outputs are not supported by this engine")
         structured.compile(spec)
 
-    def lora_adapters(self) -> dict:
-        """The LoRA adapters loaded now, by name (one read of the engine thread's registry)."""
-        lora = getattr(self.engine, "lora", None)
-        return dict(lora.adapters) if lora is not None else {}
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters loaded now: name -> path (either backend's lora_names)."""
+        names = getattr(self.engine, "lora_names", None)
+        return names() if names is not None else {}
 
     def kv_block_changes(self, since: int, epoch: str | None) -> dict | None:
         """The prefix cache's findable block hashes stored/removed since event `since` of

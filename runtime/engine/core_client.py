@@ -22,7 +22,6 @@ import logging
 import multiprocessing
 import time
 import weakref
-from dataclasses import dataclass
 
 from shoal.runtime.cache.block_mirror import BlockMirror
 from shoal.runtime.engine import core_process, detokenizer, request_checks
@@ -34,22 +33,6 @@ log = logging.getLogger("shoal.core_client")
 
 class CoreDied(RuntimeError):
     pass
-
-
-@dataclass
-class AdapterInfo:  # what the server reads of a loaded adapter (its model card)
-    name: str
-    path: str
-
-
-class LoraNames:
-    """The LoRA adapters loaded in the core, by name (AsyncEngine.lora_adapters reads .adapters)."""
-
-    def __init__(self, names: dict[str, str]):
-        self.set(names)
-
-    def set(self, names: dict[str, str]) -> None:
-        self.adapters = {n: AdapterInfo(n, p) for n, p in names.items()}  # replaced whole: read from the event loop
 
 
 def _end_at_exit(ref) -> None:
@@ -89,7 +72,7 @@ class CoreClient:
         self.eos_ids = info["eos_ids"]
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_ids)  # to refuse a bad grammar here
         self.pool = BlockMirror(info["prefix_caching"])
-        self.lora = LoraNames(info["lora"]) if info["lora"] is not None else None
+        self._lora_names: dict[str, str] | None = info["lora"]  # None: LoRA is off; replaced whole on each reply
         self._stats, self._group_ready = info["stats"], info["group_ready"]
         self.requests: dict[str, Request] = {}  # mirrors of the requests in the core
         self._ready: list[RequestOutput] = []  # outputs received, not yet returned by step()
@@ -125,9 +108,9 @@ class CoreClient:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if lora is not None:
-            if self.lora is None:
+            if self._lora_names is None:
                 raise LoraError("LoRA adapters are not enabled on this server (--enable-lora)")
-            if lora not in self.lora.adapters:
+            if lora not in self._lora_names:
                 raise LoraError(f"no adapter named {lora!r} is loaded", 404)
         text, ids = request_checks.check_request(self.tokenizer, self.vocab_size, self.max_model_len, self.scores_prompts,
                                                  prompt, params)
@@ -172,6 +155,10 @@ class CoreClient:
     def remove_lora(self, name: str) -> None:
         self._call("remove_lora", name)
 
+    def lora_names(self) -> dict[str, str]:
+        """The adapters loaded in the core (as of its last reply): name -> path."""
+        return dict(self._lora_names or {})
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.process.is_alive():
             try:
@@ -196,8 +183,8 @@ class CoreClient:
                 break
             self._handle(msg)
         _, _, error, adapters = msg
-        if self.lora is not None:
-            self.lora.set(adapters)
+        if self._lora_names is not None:
+            self._lora_names = adapters
         if error is not None:
             kind, text, status = error
             if kind == "LoraError":

@@ -242,8 +242,8 @@ class LLMEngine:
         self.add_lora(name, path)
 
     def lora_names(self) -> dict[str, str]:
-        """The adapters loaded now: name -> path."""
-        return {a.name: a.path for a in self.lora.adapters.values()} if self.lora is not None else {}
+        """The adapters loaded now: name -> path (the server reads it from its event loop: one copy)."""
+        return {a.name: a.path for a in list(self.lora.adapters.values())} if self.lora is not None else {}
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter: new requests cannot name it; those already in finish with it."""

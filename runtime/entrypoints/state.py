@@ -90,8 +90,8 @@ class ServerState:
         if model is not None and model not in (self.model_name, self.config.model) and model not in self.lora_adapters():
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.", "invalid_request_error", param="model", code="model_not_found")
 
-    def lora_adapters(self) -> dict:
-        """The LoRA adapters loaded now, by name."""
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters loaded now: name -> path."""
         return self.engine.lora_adapters()
 
     def lora_of(self, model: str | None) -> str | None:
@@ -100,9 +100,9 @@ class ServerState:
 
     def model_card(self, model: str | None = None) -> dict:
         """The base model's card, or (vLLM's) an adapter's: its path as root, the base as parent."""
-        adapter = self.lora_adapters().get(model) if model is not None else None
-        if adapter is not None:
-            return {"id": adapter.name, "object": "model", "created": self.created, "owned_by": "shoal", "root": adapter.path,
+        path = self.lora_adapters().get(model) if model is not None else None
+        if path is not None:
+            return {"id": model, "object": "model", "created": self.created, "owned_by": "shoal", "root": path,
                     "parent": self.model_name, "max_model_len": self.engine.max_model_len}
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "shoal", "root": self.config.model,
                 "parent": None, "max_model_len": self.engine.max_model_len}
