@@ -105,6 +105,17 @@ def _upcast(args):
     return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
+# prefill tile shapes timed beside the default: (block_m, block_n, num_warps, num_stages)
+PREFILL_TILES = [None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
+
+
+def _prefill_with(tiles):
+    from shoal.kernels import paged_attention as pa
+
+    block_m, block_n, num_warps, num_stages = tiles
+    return lambda *a: pa.prefill(*a, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
 def build_cases(dev, dtype, small: bool, tri) -> list[Case]:
     """The benchmark's cases. `tri` is the Triton ops namespace (None: references only)."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -114,9 +125,9 @@ def build_cases(dev, dtype, small: bool, tri) -> list[Case]:
     cases = []
     s = (lambda big, little: little) if small else (lambda big, little: big)
 
-    def add(kernel, shape, fn_name, args, nbytes, flops=0):
+    def add(kernel, shape, fn_name, args, nbytes, flops=0, triton_fn=None):
         rf = getattr(ref, fn_name)
-        tf = getattr(tri, fn_name) if tri is not None else None
+        tf = triton_fn or (getattr(tri, fn_name) if tri is not None else None)
         def check():  # against the reference in float32, so the reference's own rounding stays out of it
             got, want = tf(*args), rf(*_upcast(args))
             return _maxdiff(got, want), _excess(got, want, tol) <= 1
@@ -171,6 +182,21 @@ def build_cases(dev, dtype, small: bool, tri) -> list[Case]:
         flops = sum(4 * n * (p + (n + 1) / 2) * h * d for p, n in seqs)  # causal: half the new-new square
         add("paged_attention_prefill", f"Tq={Tq} seqs={len(seqs)} h={h}/{kvh} d={d} bs={bs}", "paged_attention_prefill",
             (q, k, v, bt, qsl, ctx, d**-0.5), nbytes, int(flops))
+
+    # the prefill of 4 prompts of 4k tokens (the GPU issue's ≥ 400 TFLOP/s shape) under a few
+    # tile shapes, (rows of query heads x tokens, keys, warps, pipeline stages): the default first
+    seqs, h, kvh, d, bs = s(([(0, 4096)] * 4, 32, 8, 128, 16), ([(0, 70)] * 2, 8, 2, 128, 16))
+    lens = [n for _, n in seqs]
+    k, v, bt, ctx = _blocked_cache(lens, bs, kvh, d, dtype, dev, gen)
+    qsl = torch.tensor([0] + lens, device=dev).cumsum(0)
+    q = rnd(int(qsl[-1]), h, d)
+    args = (q, k, v, bt, qsl, ctx, d**-0.5)
+    flops = int(sum(4 * n * (n + 1) / 2 * h * d for _, n in seqs))
+    for tiles in PREFILL_TILES:
+        add("paged_attention_prefill", f"Tq={int(qsl[-1])} seqs={len(seqs)} h={h}/{kvh} d={d} bs={bs} "
+            f"tiles {'default' if tiles is None else 'x'.join(map(str, tiles))}", "paged_attention_prefill",
+            args, 2 * sum(lens) * kvh * d * el + 2 * int(qsl[-1]) * h * d * el, flops,
+            triton_fn=None if tri is None or tiles is None else _prefill_with(tiles))
 
     # small fused ops
     T, H = s(8192, 16), s(4096, 576)

@@ -249,6 +249,45 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 @triton.jit
+def _prefill_block(acc, l_i, m_i, q, n0, kv_end, pos, window, bt_row, s_btn, k_cache_ptr, s_kn, s_kb, s_kh, s_kd,
+                   v_cache_ptr, s_vn, s_vb, s_vh, s_vd, kvh, offs_d, d_mask, qk_scale, softcap,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_TY: tl.constexpr,
+                   SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """One K/V block of the online softmax. MASKED: the block may hold keys some rows must not
+    see (past the context, after a row's position, outside its window); else all see all."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = offs_n < kv_end
+    else:
+        n_mask = offs_n >= 0  # every key of the block exists and is seen
+    blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * s_btn, mask=n_mask, other=0).to(tl.int64)
+    slot_off = (offs_n % BLOCK_SIZE).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        k_cache_ptr + blk[:, None] * s_kn + slot_off[:, None] * s_kb + kvh * s_kh + offs_d[None, :] * s_kd,
+        mask=kv_mask, other=0.0,
+    ).to(DOT_TY)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP:
+        qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0) * 1.4426950408889634
+    if MASKED:
+        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+        if window > 0:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + blk[:, None] * s_vn + slot_off[:, None] * s_vb + kvh * s_vh + offs_d[None, :] * s_vd,
+        mask=kv_mask, other=0.0,
+    ).to(DOT_TY)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, qsl_ptr, ctx_ptr, out_ptr, sinks_ptr,
     qk_scale, num_seqs, softcap, window, v_scale,
@@ -301,36 +340,23 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     kv_end = tl.minimum(ctx, prefix + (q_tile + 1) * BLOCK_Q)  # the last query of the tile sees this far
     kv_start = 0
+    # blocks before full_end are seen whole by every row of the tile (its first query sees them):
+    # no causal mask there; only the blocks on the diagonal pay for it (FlashAttention-2's split)
+    full_end = ((prefix + q_tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
     if window > 0:  # the tile's first query sees nothing before this (whole tiles; the mask trims)
         kv_start = (tl.maximum(prefix + q_tile * BLOCK_Q - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_end = kv_start  # every block masked: the window's edge moves row by row
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        blk = tl.load(bt_row + (offs_n // BLOCK_SIZE) * s_btn, mask=n_mask, other=0).to(tl.int64)
-        slot_off = (offs_n % BLOCK_SIZE).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + blk[:, None] * s_kn + slot_off[:, None] * s_kb + kvh * s_kh + offs_d[None, :] * s_kd,
-            mask=kv_mask, other=0.0,
-        ).to(DOT_TY)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if SOFTCAP:
-            qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0) * 1.4426950408889634
-        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
-        if window > 0:
-            visible = visible & (offs_n[None, :] > pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + blk[:, None] * s_vn + slot_off[:, None] * s_vb + kvh * s_vh + offs_d[None, :] * s_vd,
-            mask=kv_mask, other=0.0,
-        ).to(DOT_TY)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v, input_precision=PRECISION)
-        m_i = m_new
+    for n0 in range(kv_start, full_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_block(
+            acc, l_i, m_i, q, n0, kv_end, pos, window, bt_row, s_btn, k_cache_ptr, s_kn, s_kb, s_kh, s_kd,
+            v_cache_ptr, s_vn, s_vb, s_vh, s_vd, kvh, offs_d, d_mask, qk_scale, softcap,
+            BLOCK_SIZE, BLOCK_N, PRECISION, DOT_TY, SOFTCAP, False)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_block(
+            acc, l_i, m_i, q, n0, kv_end, pos, window, bt_row, s_btn, k_cache_ptr, s_kn, s_kb, s_kh, s_kd,
+            v_cache_ptr, s_vn, s_vb, s_vh, s_vd, kvh, offs_d, d_mask, qk_scale, softcap,
+            BLOCK_SIZE, BLOCK_N, PRECISION, DOT_TY, SOFTCAP, True)
 
     if SINKS:  # each row's head sink joins the denominator (base 2, as the scores)
         sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -344,8 +370,9 @@ def _prefill_kernel(
 
 
 def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, window=0, softcap=0.0, k_scale=1.0,
-            v_scale=1.0, sinks=None, *, block_m=None, block_n=None, num_warps=4):
-    """paged_attention_prefill with its tile sizes exposed (tests shrink them to cover tiling)."""
+            v_scale=1.0, sinks=None, *, block_m=None, block_n=None, num_warps=4, num_stages=None):
+    """paged_attention_prefill with its tile sizes exposed (tests shrink them to cover tiling;
+    `shoal bench kernels` times a few on a GPU)."""
     Tq, h, d = q.shape
     small = q.dtype == torch.float32  # float32 tiles: 4x smaller, to fit the shared memory of every GPU
     block_m = block_m or (32 if small else 64)
@@ -369,6 +396,7 @@ def prefill(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sc
         G=g, G_PAD=g_pad, HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_SIZE=bs,
         BLOCK_Q=block_q, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), DOT_TY=_dot_type(q.dtype),
         SOFTCAP=bool(softcap), SINKS=sinks is not None, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
 

@@ -78,6 +78,8 @@ PREFILL = [
     (128, 32, 4, 1, torch.float16, [(64, 30), (10, 1)], 32, 16),  # fp16, chunked prefill
     (64, 16, 3, 1, torch.bfloat16, [(7, 12)], 16, 16),  # bf16, GQA 3
     (80, 16, 4, 4, torch.float32, [(3, 5), (20, 0), (0, 2)], 16, 16),  # a sequence with no new tokens
+    # a long prefix and several query tiles: whole blocks before each tile's diagonal, unmasked
+    (64, 16, 4, 2, torch.float32, [(100, 70), (48, 33)], 32, 16),
 ]
 
 
