@@ -31,6 +31,12 @@ def _command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "shoal.runtime.cli", "serve", *args]
 
 
+# Idle pooled connections are dropped before the server's 5 s keep-alive ends them: a request
+# sent on one just as the server closes it fails with "Server disconnected" (HTTP/1.1's race),
+# which a client with retries hides and these clients, without them, would show as a failure.
+KEEP_ALIVE_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen
@@ -48,10 +54,11 @@ class Server:
         """The official `openai` client on this server (no retries: a failure shows)."""
         import openai
 
-        return openai.OpenAI(base_url=self.v1, api_key=api_key, max_retries=0, timeout=timeout)
+        http = openai.DefaultHttpxClient(limits=KEEP_ALIVE_LIMITS)
+        return openai.OpenAI(base_url=self.v1, api_key=api_key, max_retries=0, timeout=timeout, http_client=http)
 
     def http(self, timeout: float = 120) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=timeout)
+        return httpx.Client(base_url=self.base_url, timeout=timeout, limits=KEEP_ALIVE_LIMITS)
 
     def log(self) -> str:
         try:
