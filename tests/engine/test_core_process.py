@@ -194,11 +194,11 @@ def _gone(pids: set[int], timeout: float) -> bool:
 def test_a_core_with_two_pipeline_ranks_answers_as_the_engine_in_process_and_takes_them_down(llm):
     """The core starts its own rank processes (torch.distributed, gloo); the same greedy text and
     log-probs as one rank in this process; the ranks end with the core, whether it is shut down
-    or killed."""
-    from shoal.runtime.engine.core_client import CoreClient
+    or killed; a rank that dies takes the core down, and the client says so."""
+    from shoal.runtime.engine.core_client import CoreClient, CoreDied
 
     config = EngineConfig(dtype="float32", kv_cache_memory=2**28, max_num_batched_tokens=512, pipeline_parallel_size=2)
-    for ending in ("shutdown", "kill"):
+    for ending in ("shutdown", "kill", "rank dies"):
         client = CoreClient(config)
         try:
             ranks = _children(client.process.pid)
@@ -212,9 +212,18 @@ def test_a_core_with_two_pipeline_ranks_answers_as_the_engine_in_process_and_tak
                 assert client.stats().num_running == 0 and client.stats().kv_cache_usage == 0.0
                 client.shutdown()
                 assert client.process.exitcode == 0
-            else:
+            elif ending == "kill":
                 os.kill(client.process.pid, signal.SIGKILL)
                 client.process.join(30)
+            else:  # idle, the group loses a rank: the core exits, and the client's next poll raises
+                assert client.group_ready()
+                rank = next(p for p in ranks if b"executor.worker" in open(f"/proc/{p}/cmdline", "rb").read())
+                os.kill(rank, signal.SIGKILL)
+                with pytest.raises(CoreDied, match="engine core process exited"):
+                    deadline = time.monotonic() + 60
+                    while time.monotonic() < deadline:
+                        client.stats()  # what the server's engine thread polls twice a second when idle
+                        time.sleep(0.5)
             assert _gone(ranks, 60), f"rank processes left after the core's {ending}"
         finally:
             client.shutdown()
