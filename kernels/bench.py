@@ -109,6 +109,17 @@ def _upcast(args):
 PREFILL_TILES = [None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 
 
+# decode tile shapes timed beside the default: (keys a tile, num_warps)
+DECODE_TILES = [None, (128, 4), (128, 8), (32, 4)]
+
+
+def _decode_with(tiles):
+    from shoal.kernels import paged_attention as pa
+
+    block_n, num_warps = tiles
+    return lambda *a: pa.decode(*a, block_n=block_n, num_warps=num_warps)
+
+
 def _prefill_with(tiles):
     from shoal.kernels import paged_attention as pa
 
@@ -182,6 +193,18 @@ def build_cases(dev, dtype, small: bool, tri) -> list[Case]:
         flops = sum(4 * n * (p + (n + 1) / 2) * h * d for p, n in seqs)  # causal: half the new-new square
         add("paged_attention_prefill", f"Tq={Tq} seqs={len(seqs)} h={h}/{kvh} d={d} bs={bs}", "paged_attention_prefill",
             (q, k, v, bt, qsl, ctx, d**-0.5), nbytes, int(flops))
+
+    # decode at batch 128 and ~2k tokens of context (the GPU issue's ≥ 70% of bandwidth shape) on the
+    # 1B-shaped model's heads, under a few (keys a tile, warps): the default first
+    B, h, kvh, d, bs = s((128, 32, 8, 64, 16), (4, 8, 2, 64, 16))
+    lens = torch.randint(*s((1536, 2560), (16, 200)), (B,), generator=torch.Generator().manual_seed(1)).tolist()
+    k, v, bt, ctx = _blocked_cache(lens, bs, kvh, d, dtype, dev, gen)
+    args = (rnd(B, h, d), k, v, bt, ctx, d**-0.5)
+    for tiles in DECODE_TILES:
+        add("paged_attention_decode", f"B={B} h={h}/{kvh} d={d} bs={bs} ctx~{sum(lens) // B} "
+            f"tiles {'default' if tiles is None else 'x'.join(map(str, tiles))}", "paged_attention_decode", args,
+            2 * sum(lens) * kvh * d * el + 2 * B * h * d * el + bt.numel() * 8 + B * 8, 4 * sum(lens) * h * d,
+            triton_fn=None if tri is None or tiles is None else _decode_with(tiles))
 
     # the prefill of 4 prompts of 4k tokens (the GPU issue's ≥ 400 TFLOP/s shape) under a few
     # tile shapes, (rows of query heads x tokens, keys, warps, pipeline stages): the default first
