@@ -195,8 +195,8 @@ def build_cases(dev, dtype, small: bool, tri) -> list[Case]:
             (q, k, v, bt, qsl, ctx, d**-0.5), nbytes, int(flops))
 
     # decode at batch 128 and ~2k tokens of context (the GPU issue's ≥ 70% of bandwidth shape) on the
-    # 1B-shaped model's heads, under a few (keys a tile, warps): the default first
-    B, h, kvh, d, bs = s((128, 32, 8, 64, 16), (4, 8, 2, 64, 16))
+    # 1B-shaped model's heads (32/8, d 128), under a few (keys a tile, warps): the default first
+    B, h, kvh, d, bs = s((128, 32, 8, 128, 16), (4, 8, 2, 64, 16))
     lens = torch.randint(*s((1536, 2560), (16, 200)), (B,), generator=torch.Generator().manual_seed(1)).tolist()
     k, v, bt, ctx = _blocked_cache(lens, bs, kvh, d, dtype, dev, gen)
     args = (rnd(B, h, d), k, v, bt, ctx, d**-0.5)
