@@ -36,10 +36,42 @@ class CheckoutFinder(importlib.abc.MetaPathFinder):
                                                       submodule_search_locations=[pkg])
 
 
+def spawn_shim() -> str:
+    """A folder holding a `shoal` package whose __path__ reaches the checkout's folders, for
+    the processes multiprocessing spawns (the engine-core process): they inherit sys.path,
+    not this finder. Written once per checkout, rewritten only when it changes."""
+    import hashlib
+    import tempfile
+
+    tag = hashlib.sha1(REPO.encode()).hexdigest()[:12]
+    pkg = os.path.join(tempfile.gettempdir(), f"shoal-nopip-{os.getuid()}-{tag}", "shoal")
+    real = os.path.join(REPO, "shoal", "__init__.py")
+    # shoal.runtime, shoal.kernels and shoal.operator resolve under the root; shoal's own
+    # __init__ runs as the real package's
+    text = (f"__path__ = [{os.path.join(REPO, 'shoal')!r}, {REPO!r}]\n"
+            f"exec(compile(open({real!r}).read(), {real!r}, 'exec'))\n")
+    init = os.path.join(pkg, "__init__.py")
+    try:
+        with open(init) as f:
+            current = f.read()
+    except OSError:
+        current = None
+    if current != text:
+        os.makedirs(pkg, exist_ok=True)
+        tmp = f"{init}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, init)
+    return os.path.dirname(pkg)
+
+
 def install() -> None:
     if not any(isinstance(f, CheckoutFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, CheckoutFinder())
     os.environ[ENV] = os.path.abspath(__file__)
+    shim = spawn_shim()
+    if shim not in sys.path:
+        sys.path.append(shim)  # last: this finder (and any install) come first
     # `python3 tools/nopip.py` put tools/ first on sys.path; the checkout root is never added
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) not in (here, REPO)]

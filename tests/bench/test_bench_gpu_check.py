@@ -85,7 +85,7 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "gpu_check.json").read_text())
     parts = summary["parts"]
-    assert set(parts) == {"models", "parity", "throughput", "step", "quant", "kernels"}
+    assert set(parts) == {"models", "parity", "throughput", "step", "streaming", "quant", "kernels"}
     assert {n: p["status"] for n, p in parts.items()} == dict.fromkeys(parts, "ok"), r.stdout[-4000:]
     par = parts["parity"]["result"]
     assert par["token_exact"] == par["prompts"] and par["first_step_logprob_max_diff"] < 1e-4
@@ -101,6 +101,11 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     assert st["sampling"]["output_kind"] == "final_only"
     assert st["streaming"]["decode_only"] and st["streaming"]["sampling"]["output_kind"] == "delta"
     assert parts["kernels"]["result"]["rc"] == 0 and parts["kernels"]["result"]["rows"]
+    # both backends streamed every token, and text with it (the core process spawned through nopip's shim)
+    sm = parts["streaming"]["result"]
+    for run in sm["runs"].values():
+        assert run["output_tokens"] == sm["output_tokens"] > 0 and run["text_chars"] > 0
+    assert sm["core_process_vs_thread"] > 0
     q = parts["quant"]["result"]
     assert list(q["runs"]) == ["bf16", "fp8", "fp8-kv", "awq"] and not q["skipped"]
     assert all("error" not in r for r in q["runs"].values()), q["runs"]
