@@ -32,8 +32,9 @@ test: $(STAMP) system-deps
 e2e: $(STAMP)
 	$(VENV)/bin/pytest -q e2e
 
-# Issue 17's GPU figures in one command (under 8 minutes on one H200; docs/gpu.md): parity,
-# throughput against transformers, the decode step's profile, the kernel bench. Needs only
+# Issues 17 and 33's GPU figures in one command (under 8.5 minutes on one H200; docs/gpu.md): parity,
+# throughput against transformers (cold and warm), the decode step's profile, streaming on the
+# engine thread against the engine-core process, the quantized formats, the kernel bench. Needs only
 # torch, triton, transformers and numpy, and no install (tools/nopip.py maps the folders onto
 # shoal.*). Writes to $OUT, else ./out. No GPU: says so and exits 0. GPU_CHECK_ARGS=--smoke: CPU.
 GPU_CHECK_PY := $(if $(wildcard $(PY)),$(PY),python3)
