@@ -181,6 +181,7 @@ def part_parity(cfg: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from shoal.runtime.bench.offline import _release as release
     from shoal.runtime.entrypoints.llm import LLM
     from shoal.runtime.sampling_params import SamplingParams
 
@@ -196,11 +197,7 @@ def part_parity(cfg: dict) -> dict:
     shoal_first = [o.outputs[0].logprobs[0] for o in outs]
     llm.engine.shutdown()
     del llm
-    if c["device"] == "cuda":
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
+    release(torch.device(c["device"]))
 
     dev = torch.device(c["device"])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, c["dtype"])).to(dev).eval()
@@ -266,7 +263,10 @@ def part_streaming(cfg: dict) -> dict:
     engine stepped on this thread, then from the engine-core process (CoreClient: the core
     schedules, runs and samples; this process detokenizes) stepped the same way. Each runs
     the workload with other prompt ids first (what start-up left to compile), then timed."""
+    import torch
+
     from shoal.runtime.bench import workloads
+    from shoal.runtime.bench.offline import _release as release
     from shoal.runtime.config import EngineConfig
     from shoal.runtime.engine.core_client import CoreClient
     from shoal.runtime.engine.engine import LLMEngine
@@ -287,7 +287,8 @@ def part_streaming(cfg: dict) -> dict:
             result["runs"][name] = _stream(engine, items, "timed")
         finally:
             engine.shutdown()
-            _release(c["device"])
+            del engine
+            release(torch.device(c["device"]))
         print(f"streaming: {name}: {result['runs'][name]['output_tokens_per_s']:,.0f} output tok/s", flush=True)
     runs = result["runs"]
     result["core_process_vs_thread"] = runs["core_process"]["output_tokens_per_s"] / runs["thread"]["output_tokens_per_s"]
@@ -311,16 +312,6 @@ def _stream(engine, items, tag: str) -> dict:
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed, "text_chars": chars,
             "steps": steps}
-
-
-def _release(device: str) -> None:
-    if device == "cuda":
-        import gc
-
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 # (name, engine options, whether its weights are the AWQ checkpoint), in the order they run:
@@ -438,11 +429,7 @@ def _quant_run(c: dict, path: Path, options: dict, items, prompts) -> tuple[dict
     finally:
         llm.engine.shutdown()
         del llm
-        if c["device"] == "cuda":
-            import gc
-
-            gc.collect()
-            torch.cuda.empty_cache()
+        bench._release(torch.device(c["device"]))
     return run, (tokens, first)
 
 
