@@ -48,12 +48,12 @@ def gguf_blocks(config, model_dir) -> dict | None:
     """--quantization gguf: the quantized blocks of the GGUF file the model was converted from."""
     if config.quantization != "gguf":
         return None
-    from shoal.runtime.models.gguf_convert import gguf_source, quantized_weights
+    from shoal.runtime.models.gguf_convert import converted_quantized_weights
 
-    source = gguf_source(model_dir)
-    if source is None:
+    blocks = converted_quantized_weights(model_dir)
+    if blocks is None:
         raise ValueError("--quantization gguf needs a GGUF model (a .gguf file or builtin://NAME)")
-    return quantized_weights(source)
+    return blocks
 
 
 class ModelRunner(Executor):

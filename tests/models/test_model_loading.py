@@ -169,6 +169,21 @@ def test_builtin_weights_names_and_dtype(builtin_dir, builtin_model):
     assert seen["model.layers.0.self_attn.k_proj.weight"] == (192, 576)
 
 
+def test_quantized_blocks_come_from_the_conversions_table_as_transformers_dequantizes_them(builtin_dir, gguf_reference_model):
+    """The serving path maps the GGUF's blocks through the table its conversion recorded (no
+    metadata parse): every block, dequantized by gguf's own code, is the weight transformers
+    reads from the GGUF itself (Q/K rows un-permuted)."""
+    import gguf as gguf_package
+
+    blocks = gguf_convert.converted_quantized_weights(builtin_dir)
+    reference = gguf_reference_model.state_dict()
+    assert len(blocks) >= 7 * gguf_reference_model.config.num_hidden_layers  # every layer's projections
+    for name, (qtype, rows) in blocks.items():
+        weight = gguf_package.quants.dequantize(np.ascontiguousarray(rows), gguf_package.GGMLQuantizationType(qtype))
+        torch.testing.assert_close(torch.from_numpy(weight), reference[name], atol=0, rtol=0, msg=name)
+    assert gguf_convert.converted_quantized_weights(builtin_dir.parent) is None  # not a conversion
+
+
 def test_builtin_tokenizer(builtin_dir):
     tok = load_tokenizer(builtin_dir)
     assert tok.is_fast
