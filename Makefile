@@ -30,7 +30,7 @@ test: $(STAMP) system-deps
 	$(VENV)/bin/pytest -q
 
 e2e: $(STAMP)
-	$(VENV)/bin/pytest -q e2e
+	$(VENV)/bin/pytest -q -n 0 e2e  # one cluster: its tests run one at a time
 
 # Issues 17 and 33's GPU figures in one command (under 8.5 minutes on one H200; docs/gpu.md): parity,
 # throughput against transformers (cold and warm), the decode step's profile, streaming on the

@@ -3,12 +3,28 @@ as the reference implementation, and tiny random-weight models for speed."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 import torch
 
+from shoal.runtime.cpu_threads import usable_cpus
+
 torch.set_num_threads(2)
+
+# Under pytest-xdist each worker takes its share of the CPUs: an engine (and a server a test
+# starts, which inherits this environment) otherwise takes all of them, and the workers' OpenMP
+# threads spin waiting on each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("SHOAL_NUM_THREADS", str(max(1, usable_cpus() // _WORKERS)))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: the CPUs this process may use (affinity and cgroup quota, as the runtime counts
+    them), where xdist would count the node's cores."""
+    return usable_cpus()
 
 
 @pytest.fixture(scope="session")

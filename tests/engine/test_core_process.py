@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from process_helpers import all_gone, children_of
 from shoal import SamplingParams
 from shoal.runtime.config import EngineConfig
 
@@ -164,33 +165,6 @@ def test_a_killed_core_fails_the_async_engine_and_its_request():
     asyncio.run(main())
 
 
-def _children(pid: int) -> set[int]:
-    """The processes `pid` started (Linux: every thread's children list)."""
-    found = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found |= {int(c) for c in f.read().split()}
-    return found
-
-
-def _gone(pids: set[int], timeout: float) -> bool:
-    """Whether every pid has exited (a zombie counts: it runs nothing) within `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = set()
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                        alive.add(pid)
-            except FileNotFoundError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def test_a_core_with_two_pipeline_ranks_answers_as_the_engine_in_process_and_takes_them_down(llm):
     """The core starts its own rank processes (torch.distributed, gloo); the same greedy text and
     log-probs as one rank in this process; the ranks end with the core, whether it is shut down
@@ -201,7 +175,7 @@ def test_a_core_with_two_pipeline_ranks_answers_as_the_engine_in_process_and_tak
     for ending in ("shutdown", "kill", "rank dies"):
         client = CoreClient(config)
         try:
-            ranks = _children(client.process.pid)
+            ranks = set(children_of(client.process.pid))
             assert ranks  # rank 0 runs in the core; rank 1 (and whatever torch starts) are its children
             if ending == "shutdown":
                 requests = {f"g{i}": (p, SamplingParams(max_tokens=16, temperature=0.0, logprobs=2))
@@ -224,7 +198,7 @@ def test_a_core_with_two_pipeline_ranks_answers_as_the_engine_in_process_and_tak
                     while time.monotonic() < deadline:
                         client.stats()  # what the server's engine thread polls twice a second when idle
                         time.sleep(0.5)
-            assert _gone(ranks, 60), f"rank processes left after the core's {ending}"
+            assert all_gone(ranks, 60), f"rank processes left after the core's {ending}"
         finally:
             client.shutdown()
 
@@ -240,4 +214,4 @@ def test_a_program_that_never_shuts_its_client_down_still_exits(tmp_path):
         "    print(client.process.pid, flush=True)\n")
     r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert _gone({int(r.stdout.split()[0])}, 5)
+    assert all_gone({int(r.stdout.split()[0])}, 5)

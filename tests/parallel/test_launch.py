@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from parallel_helpers import kv_memory, single_rank
+from process_helpers import all_gone, children_of
 from shoal.runtime.executor import launch
 
 MAIN = str(Path(__file__).resolve().parent / "group_main.py")
@@ -46,22 +47,6 @@ def start(role: str, model, shape: tuple[int, int], env: dict, *args) -> subproc
     tp, pp = (1, 1) if "SHOAL_PIPELINE_RANK" in env else shape
     return subprocess.Popen([sys.executable, MAIN, role, str(model), str(tp), str(pp), str(kv), *args], env=env,
                             stdout=subprocess.PIPE, text=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def children_of(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        return []
 
 
 def wait_for_line(proc: subprocess.Popen, word: str, timeout: float = 180.0) -> str:
@@ -156,9 +141,7 @@ def _assert_all_exit(procs: dict, pids: list[int], started: float) -> None:
     for name, p in procs.items():
         code = p.wait(max(1.0, EXIT_WITHIN - (time.monotonic() - started)))
         assert code != 0, f"{name} exited 0 after a rank died"
-    while any(alive(pid) for pid in pids) and time.monotonic() - started < EXIT_WITHIN:
-        time.sleep(0.2)
-    assert not [pid for pid in pids if alive(pid)], "rank processes left behind"
+    assert all_gone(pids, EXIT_WITHIN - (time.monotonic() - started)), "rank processes left behind"
 
 
 def test_killing_a_worker_pod_rank_ends_the_group(tiny_dir):
