@@ -274,9 +274,13 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, a
 
     Int4 experts (w13_int4 / w2_int4 given: (scales, zeros, g_idx) of quant_reference's layout
     stacked over the experts, w13 [E, H/8, 2I] and w2 [E, I/8, H] the packed int32): the
-    experts are dequantized into x's dtype, then the float grouped GEMMs.
+    experts are dequantized into x's dtype, then the float grouped GEMMs. On the CPU only the
+    experts the step's tokens chose are (a decode step of a few tokens picks a few of E); on a
+    GPU all of them, since a data-dependent count would break a CUDA graph.
     """
     if w13_int4 is not None:
+        if x.device.type == "cpu":
+            w13, w13_int4, w2, w2_int4, topk_ids = _experts_in_use(topk_ids, w13, w13_int4, w2, w2_int4)
         w13 = int4_dequantize_experts(w13, *w13_int4).to(x.dtype)
         w2 = int4_dequantize_experts(w2, *w2_int4).to(x.dtype)
     T, k = topk_ids.shape
@@ -305,6 +309,21 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, a
     y = down.float() * topk_weights.reshape(-1)[order, None].float()
     y = torch.where(here[order, None], y, 0.0)  # rows past the segments were never computed
     return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+
+def _experts_in_use(topk_ids, w13, w13_meta, w2, w2_meta):
+    """Only the experts topk_ids names (ids outside [0, E) stay outside, as other ranks' pairs):
+    the int4 tensors and their (scales, zeros, g_idx) cut to them, the ids renumbered in order."""
+    E = w13.shape[0]
+    here = (topk_ids >= 0) & (topk_ids < E)
+    chosen = torch.zeros(E, dtype=torch.bool).index_fill_(0, topk_ids[here].long(), True)
+    chosen[0] |= not chosen.any()  # no pair here: keep one expert, so that every shape stays non-empty
+    used = chosen.nonzero().squeeze(1)
+    renumber = torch.full((E,), -1, dtype=topk_ids.dtype)
+    renumber[used] = torch.arange(len(used), dtype=topk_ids.dtype)
+    ids = torch.where(here, renumber[topk_ids.long().clamp(0, E - 1)], -1)
+    cut = lambda t, meta: (t[used], tuple(m[used] for m in meta))  # noqa: E731
+    return (*cut(w13, w13_meta), *cut(w2, w2_meta), ids)
 
 
 def _fp8_grouped_linear(x, index, w, w_scale, a_scale, counts, expert):

@@ -322,6 +322,29 @@ def test_reference_int4_experts_are_the_dequantized_experts(act_order):
     _check(got, x, w13, w2, weights, ids)
 
 
+@pytest.mark.parametrize("pick", ["few", "other_ranks", "none_here"])
+def test_reference_int4_experts_dequantize_only_those_chosen_and_equal_all_dequantized(pick, monkeypatch):
+    """On the CPU the reference dequantizes only the experts the tokens chose (and counts the
+    experts it dequantizes): the same output as the float experts, with ids of other ranks mixed
+    in or every pair elsewhere."""
+    from shoal.kernels import quant_reference as qref
+
+    (x, q13, q2, weights, ids), extra = _int4_inputs(3, 64, 32, 16, 2)
+    ids = torch.tensor([[3, 9], [9, 14], [3, 3]])
+    if pick == "other_ranks":
+        ids = torch.tensor([[3, -1], [16, 14], [40, 3]])
+    elif pick == "none_here":
+        ids = ids.clamp(max=-1)
+    w13 = qref.int4_dequantize_experts(q13, *extra["w13_int4"])
+    w2 = qref.int4_dequantize_experts(q2, *extra["w2_int4"])
+    seen = []
+    real = ref.int4_dequantize_experts
+    monkeypatch.setattr(ref, "int4_dequantize_experts", lambda q, *m: seen.append(q.shape[0]) or real(q, *m))
+    got = ref.fused_moe(x, q13, q2, weights, ids, **extra)
+    _check(got, x, w13, w2, weights, ids)
+    assert seen == [{"few": 3, "other_ranks": 2, "none_here": 1}[pick]] * 2
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("shape,blocks", [((1, 32, 16, 4, 2), (16, 16, 16)), ((33, 48, 24, 6, 3), (16, 16, 32)),
                                           ((9, 64, 48, 8, 2), (16, 32, 16))], ids=str)
