@@ -61,9 +61,10 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 def _scale_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
     """q [..., K, N] in 0..15 -> (q - zero) * scale in float32, row k with group g_idx[..., k]'s
     zero and scale [..., G, N]. Where the rows are in group order (no act-order, the groups whole)
-    each group's row pair broadcasts over its rows; else each row's is gathered (~2x the time)."""
+    each group's row pair broadcasts over its rows; else each row's is gathered (~2x the time).
+    The order is checked on the CPU only: on a GPU the check would sync inside a CUDA graph."""
     K, G = q.shape[-2], scales.shape[-2]
-    if K % G == 0 and torch.equal(g_idx.long(), (torch.arange(K, device=q.device) // (K // G)).expand_as(g_idx)):
+    if q.device.type == "cpu" and K % G == 0 and torch.equal(g_idx.long(), (torch.arange(K, device=q.device) // (K // G)).expand_as(g_idx)):
         grouped = q.view(*q.shape[:-2], G, K // G, q.shape[-1]).float()
         return ((grouped - zeros.float().unsqueeze(-2)) * scales.float().unsqueeze(-2)).view(q.shape)
     g = g_idx.long()[..., None].expand(*g_idx.shape, q.shape[-1])
