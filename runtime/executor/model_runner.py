@@ -48,9 +48,9 @@ def gguf_blocks(config, model_dir) -> dict | None:
     """--quantization gguf: the quantized blocks of the GGUF file the model was converted from."""
     if config.quantization != "gguf":
         return None
-    from shoal.runtime.models.gguf_convert import converted_quantized_weights
+    from shoal.runtime.models.gguf_convert import quantized_weights
 
-    blocks = converted_quantized_weights(model_dir)
+    blocks = quantized_weights(model_dir)
     if blocks is None:
         raise ValueError("--quantization gguf needs a GGUF model (a .gguf file or builtin://NAME)")
     return blocks

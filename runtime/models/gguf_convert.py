@@ -215,7 +215,7 @@ def _convert_into(gguf_path: Path, out: Path, source: dict, *, progress: bool, m
     _write_json(out / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
     _write_tokenizer(gguf_path, meta, out, config)
     _write_json(out / MANIFEST, {**source, "converter_version": CONVERTER_VERSION, "gguf_architecture": arch,
-                                 "converter_pid": os.getpid(), "quantized_tensors": _quantized_table(reader)})
+                                 "converter_pid": os.getpid(), "quantized_tensors": _quantized_table(reader, arch, n_head, n_kv)})
 
 
 def gguf_source(model_dir: str | os.PathLike) -> Path | None:
@@ -229,38 +229,33 @@ def gguf_source(model_dir: str | os.PathLike) -> Path | None:
         return None
 
 
-def quantized_weights(gguf_path: str | os.PathLike) -> dict[str, tuple[int, np.ndarray]]:
+def quantized_weights(model_dir: str | os.PathLike) -> dict[str, tuple[int, np.ndarray]] | None:
     """{HF weight name: (ggml type number, uint8 rows [N, bytes a row])} of every quantized 2-D
-    tensor, the blocks as the file stores them (memory-mapped, read-only), with the rows of
-    attn_q / attn_k put back in HF's order as the conversion does for the float weights."""
-    import gguf
+    tensor of the GGUF file a converted directory came from, the blocks as the file stores them
+    (memory-mapped, read-only), with the rows of attn_q / attn_k put back in HF's order as the
+    conversion does for the float weights. None when the directory is no current conversion.
 
-    return _map_blocks(gguf_path, _quantized_table(gguf.GGUFReader(str(gguf_path))))
-
-
-def converted_quantized_weights(model_dir: str | os.PathLike) -> dict[str, tuple[int, np.ndarray]] | None:
-    """quantized_weights of the GGUF file a converted directory came from, through the tensor
-    table its conversion recorded: parsing the file's metadata again (gguf's reader walks every
-    tokenizer string) took 4 of a server's 13 s start-up on the built-in model. None when the
-    directory is no current conversion."""
+    Read through the tensor table the conversion recorded: parsing the file's metadata again
+    (gguf's reader walks every tokenizer string) took 4 of a server's 13 s start-up on the
+    built-in model."""
     source = gguf_source(model_dir)
     if source is None:
         return None
-    return _map_blocks(source, json.loads((Path(model_dir) / MANIFEST).read_text())["quantized_tensors"])
+    table = json.loads((Path(model_dir) / MANIFEST).read_text())["quantized_tensors"]
+    file = np.memmap(source, dtype=np.uint8, mode="r") if table else None
+    out = {}
+    for name, (qtype, offset, rows, row_bytes, heads) in table.items():
+        blocks = file[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
+        out[name] = (qtype, _unpermute(blocks, heads) if heads else blocks)
+    return out
 
 
-def _quantized_table(reader) -> dict[str, list[int]]:
+def _quantized_table(reader, arch: str, n_head: int, n_kv: int) -> dict[str, list[int]]:
     """{HF name: [ggml type, byte offset in the file, rows, bytes a row, heads to un-permute (0: none)]}
-    of every quantized 2-D tensor (quantized_weights' rows, as numbers a manifest can hold)."""
+    of every quantized 2-D tensor (where quantized_weights finds its rows, as numbers a manifest can hold)."""
     import gguf
 
-    meta = _Metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHS:
-        return {}
     permute_qk = _ARCHS[arch][2]
-    n_head, n_kv = meta.get(f"{arch}.attention.head_count"), meta.get(f"{arch}.attention.head_count_kv")
-    n_kv = n_kv or n_head
     table = {}
     for t in reader.tensors:
         if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -270,17 +265,6 @@ def _quantized_table(reader) -> dict[str, list[int]]:
         rows, row_bytes = t.data.shape
         table[_hf_name(t.name, arch)] = [int(t.tensor_type), int(t.data_offset), int(rows), int(row_bytes), int(heads)]
     return table
-
-
-def _map_blocks(gguf_path: str | os.PathLike, table: dict[str, list[int]]) -> dict[str, tuple[int, np.ndarray]]:
-    if not table:
-        return {}
-    file = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, (qtype, offset, rows, row_bytes, heads) in table.items():
-        blocks = file[offset : offset + rows * row_bytes].reshape(rows, row_bytes)
-        out[name] = (qtype, _unpermute(blocks, heads) if heads else blocks)
-    return out
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str:

@@ -175,13 +175,13 @@ def test_quantized_blocks_come_from_the_conversions_table_as_transformers_dequan
     reads from the GGUF itself (Q/K rows un-permuted)."""
     import gguf as gguf_package
 
-    blocks = gguf_convert.converted_quantized_weights(builtin_dir)
+    blocks = gguf_convert.quantized_weights(builtin_dir)
     reference = gguf_reference_model.state_dict()
     assert len(blocks) >= 7 * gguf_reference_model.config.num_hidden_layers  # every layer's projections
     for name, (qtype, rows) in blocks.items():
         weight = gguf_package.quants.dequantize(np.ascontiguousarray(rows), gguf_package.GGMLQuantizationType(qtype))
         torch.testing.assert_close(torch.from_numpy(weight), reference[name], atol=0, rtol=0, msg=name)
-    assert gguf_convert.converted_quantized_weights(builtin_dir.parent) is None  # not a conversion
+    assert gguf_convert.quantized_weights(builtin_dir.parent) is None  # not a conversion
 
 
 def test_builtin_tokenizer(builtin_dir):
